@@ -1,0 +1,13 @@
+"""nash_mhc: Nash-MHC language models in JAX + Equinox.
+
+Manifold-constrained hyper-connections (n residual streams mixed by Sinkhorn doubly-stochastic matrices)
+and causal multiscale attention combined per position by Nash-equilibrium aggregation.
+"""
+
+from nash_mhc import ops
+from nash_mhc.config import ModelConfig
+from nash_mhc.model import Block, LanguageModel, ModelOutput
+
+__version__ = "0.1.0"
+
+__all__ = ["Block", "LanguageModel", "ModelConfig", "ModelOutput", "ops", "__version__"]

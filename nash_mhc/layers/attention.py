@@ -1,0 +1,93 @@
+"""Causal multiscale attention (MAHA made causal), with ``full`` (scale 0 only) as the baseline."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import Array, Float, jaxtyped
+
+from nash_mhc.layers.aggregation import ScaleAggregation
+from nash_mhc.layers.init import EMBED_STD, normal, output_std
+from nash_mhc.ops.attention import causal_attention
+from nash_mhc.ops.multiscale import downsample, upsample_shifted
+from nash_mhc.ops.rope import rope
+
+
+class MultiscaleAttention(eqx.Module):
+    """Attention at scales l = 0..L-1 with block sizes s_l = r**l, aggregated per position.
+
+    Scale 0 is causal multi-head attention with RoPE on all T tokens. At scale l ≥ 1 the input and the
+    (shared) value projection are downsampled block-wise (kernel = stride = s_l, learned depthwise weights
+    initialised to mean pooling), queries/keys use that scale's own projections and RoPE with spacing s_l,
+    attention is causal over coarse indices, and the result is upsampled *shifted*: fine position i reads
+    the last block complete at i. Outputs of the available scales are aggregated per position, then one
+    output projection is applied. Shapes: x [T, D] → ([T, D], weights [T, L], entropy []).
+    """
+
+    wq: Float[Array, "scales dim heads head_dim"]
+    wk: Float[Array, "scales dim heads head_dim"]
+    wv: Float[Array, "dim heads head_dim"]
+    wo: Float[Array, "heads head_dim dim"]
+    down: tuple[Float[Array, "_ dim"], ...]
+    aggregation: ScaleAggregation | None
+    block_sizes: tuple[int, ...] = eqx.field(static=True)
+    rope_theta: float = eqx.field(static=True)
+    dtype: str = eqx.field(static=True)
+
+    def __init__(self, dim: int, num_heads: int, block_sizes: tuple[int, ...], *, num_layers: int,
+                 aggregation: str, nash_iters: int, nash_temperature: float, rope_theta: float, dtype: str,
+                 key: jax.Array):
+        head_dim = dim // num_heads
+        scales = len(block_sizes)
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.wq = normal(kq, (scales, dim, num_heads, head_dim), EMBED_STD)
+        self.wk = normal(kk, (scales, dim, num_heads, head_dim), EMBED_STD)
+        self.wv = normal(kv, (dim, num_heads, head_dim), EMBED_STD)
+        self.wo = normal(ko, (num_heads, head_dim, dim), output_std(num_layers))
+        self.down = tuple(jnp.full((s, dim), 1.0 / s, jnp.float32) for s in block_sizes[1:])
+        self.aggregation = (ScaleAggregation(scales, aggregation, num_iters=nash_iters,
+                                             temperature=nash_temperature) if scales > 1 else None)
+        self.block_sizes = tuple(block_sizes)
+        self.rope_theta = rope_theta
+        self.dtype = dtype
+
+    def _scale(self, level: int, x: jax.Array, v: jax.Array) -> jax.Array:
+        """Attention output at one scale on its own (coarse) positions: [T_l, H, K]."""
+        dt = jnp.dtype(self.dtype)
+        spacing = self.block_sizes[level]
+        q = jnp.einsum("td,dhk->thk", x, self.wq[level].astype(dt))
+        k = jnp.einsum("td,dhk->thk", x, self.wk[level].astype(dt))
+        q = rope(q, spacing=spacing, theta=self.rope_theta)
+        k = rope(k, spacing=spacing, theta=self.rope_theta)
+        return causal_attention(q, k, v)
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(self, x: Float[Array, "seq dim"]) -> tuple[
+            Float[Array, "seq dim"], Float[Array, "seq scales"], Float[Array, ""]]:
+        dt = jnp.dtype(self.dtype)
+        seq, dim = x.shape
+        x = x.astype(dt)
+        v = jnp.einsum("td,dhk->thk", x, self.wv.astype(dt))
+        heads, head_dim = v.shape[1:]
+        fine = self._scale(0, x, v)
+        if self.aggregation is None:
+            out = fine
+            weights = jnp.ones((seq, 1), jnp.float32)
+            entropy = jnp.zeros((), jnp.float32)
+        else:
+            outputs, masks = [fine.reshape(seq, dim)], [jnp.ones((seq,), bool)]
+            v_flat = v.reshape(seq, dim)
+            for level, block in enumerate(self.block_sizes[1:], start=1):
+                down = self.down[level - 1].astype(dt)
+                x_l = downsample(x, down)
+                v_l = downsample(v_flat, down).reshape(-1, heads, head_dim)
+                o_l = self._scale(level, x_l, v_l).reshape(-1, dim)
+                up, avail = upsample_shifted(o_l, seq, block)
+                outputs.append(up)
+                masks.append(avail)
+            combined, weights, entropy = self.aggregation(jnp.stack(outputs, axis=1), jnp.stack(masks, axis=1))
+            out = combined.reshape(seq, heads, head_dim)
+        y = jnp.einsum("thk,hkd->td", out.astype(dt), self.wo.astype(dt))
+        return y, weights, entropy

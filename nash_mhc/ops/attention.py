@@ -1,0 +1,25 @@
+"""Causal softmax attention on one sequence (no batch axis; vmap for batches)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import Array, Float, jaxtyped
+
+
+@jaxtyped(typechecker=beartype)
+def causal_attention(q: Float[Array, "seq heads head_dim"], k: Float[Array, "seq heads head_dim"],
+                     v: Float[Array, "seq heads head_dim"]) -> Float[Array, "seq heads head_dim"]:
+    """softmax(q kᵀ / √K + causal mask) v with float32 scores and softmax.
+
+    Masked scores are -inf, so their probabilities are exactly 0 and a change at key j can never change
+    the output at a query i < j, bit for bit.
+    """
+    seq, _, head_dim = q.shape
+    scores = jnp.einsum("qhk,shk->hqs", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / head_dim**0.5)
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+    scores = jnp.where(causal[None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("hqs,shk->qhk", probs, v, preferred_element_type=jnp.float32).astype(v.dtype)

@@ -1,0 +1,27 @@
+"""Rotary position embedding with an arbitrary position spacing."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import Array, Float, jaxtyped
+
+
+@jaxtyped(typechecker=beartype)
+def rope(x: Float[Array, "seq heads head_dim"], *, spacing: int = 1, theta: float = 10000.0
+         ) -> Float[Array, "seq heads head_dim"]:
+    """Rotate (rotate-half convention) token j as if it sat at position ``j * spacing``.
+
+    Coarse tokens at scale l use ``spacing = s_l`` so their relative angles match fine-token distances.
+    Angles are computed in float32; the result has the input dtype.
+    """
+    seq, _, head_dim = x.shape
+    half = head_dim // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = (jnp.arange(seq, dtype=jnp.float32) * spacing)[:, None] * freqs[None, :]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out.astype(x.dtype)
