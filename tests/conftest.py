@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import jax
-from jaxtyping import install_import_hook
+import os
+
+# 8 fake CPU devices for the sharding tests; must be set before JAX initialises its backend.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+from jaxtyping import install_import_hook  # noqa: E402
 
 # Every function and dataclass in nash_mhc gets a beartype-checked jaxtyping wrapper for the whole
 # session, on top of the decorators the package applies itself.

@@ -1,0 +1,17 @@
+"""Benchmark helpers: compile outside the timed region, block until device work is done."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+
+@pytest.fixture
+def timed(benchmark):
+    """Run ``fn(*args)`` under pytest-benchmark after one warm-up (compile) call."""
+
+    def run(fn, *args, rounds: int = 5):
+        jax.block_until_ready(fn(*args))
+        return benchmark.pedantic(lambda: jax.block_until_ready(fn(*args)), rounds=rounds, iterations=1)
+
+    return run

@@ -1,0 +1,187 @@
+"""LanguageModel invariants: mode equivalences, mHC stability at init, finite gradients, typing, scan."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import equinox as eqx
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nash_mhc import LanguageModel, ModelConfig
+
+SEQ = 32
+
+
+def tokens(seed: int = 0, seq: int = SEQ, batch: int | None = None) -> jax.Array:
+    shape = (seq,) if batch is None else (batch, seq)
+    return jax.random.randint(jax.random.key(seed), shape, 0, 259)
+
+
+def perturbed(model: LanguageModel, scale: float = 0.05, seed: int = 1) -> LanguageModel:
+    """Move every parameter off its symmetric initial value (a stand-in for a trained model)."""
+    leaves, treedef = jax.tree.flatten(eqx.filter(model, eqx.is_array))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    return eqx.combine(jax.tree.unflatten(treedef, noisy), model)
+
+
+def lm_loss(model: LanguageModel, batch: jax.Array) -> jax.Array:
+    out = jax.vmap(model)(batch[:, :-1])
+    logp = jax.nn.log_softmax(out.logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1)
+    return jnp.mean(nll) + 0.01 * jnp.mean(out.aux_loss)
+
+
+value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(lm_loss))
+
+
+def all_finite(tree) -> bool:
+    return all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in jax.tree.leaves(eqx.filter(tree,
+                                                                                                      eqx.is_array)))
+
+
+def test_mhc_with_one_stream_equals_plain_exactly():
+    mhc = ModelConfig.preset("tiny", residual="mhc", num_streams=1)
+    plain = ModelConfig.preset("tiny", residual="plain")
+    a = perturbed(LanguageModel(mhc, key=jax.random.key(3)))
+    b = perturbed(LanguageModel(plain, key=jax.random.key(3)))
+    leaves_a, leaves_b = jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array))
+    assert len(leaves_a) == len(leaves_b)
+    assert all(np.array_equal(x, y) for x, y in zip(leaves_a, leaves_b, strict=True))
+    out_a, out_b = a(tokens()), b(tokens())
+    assert np.array_equal(np.asarray(out_a.logits), np.asarray(out_b.logits))
+    assert float(out_a.aux_loss) == float(out_b.aux_loss)
+
+
+@pytest.mark.parametrize("residual", ["mhc", "hc"])
+def test_composite_residual_mapping_has_unit_gain_at_init(residual):
+    """The paper's Amax gain magnitude of Π H_res over all sublayers stays within [0.5, 2] at step 0."""
+    config = ModelConfig.preset("tiny", residual=residual, num_layers=6)
+    model = LanguageModel(config, key=jax.random.key(0))
+    maps = model(tokens(), return_residual_maps=True).residual_maps
+    assert maps is not None and maps.shape == (2 * config.num_layers, SEQ, 4, 4)
+    composite = functools.reduce(lambda acc, h: jnp.einsum("tij,tjk->tik", h, acc), maps)
+    rows = jnp.max(jnp.sum(jnp.abs(composite), axis=-1))
+    cols = jnp.max(jnp.sum(jnp.abs(composite), axis=-2))
+    assert 0.5 <= float(rows) <= 2.0 and 0.5 <= float(cols) <= 2.0
+
+
+def test_mhc_streams_stay_identical_at_init_like_a_prenorm_residual():
+    """Row-stochastic H_res maps identical streams to themselves: diag(H_res) ≈ 1 and res_diag reported."""
+    out = LanguageModel(ModelConfig.preset("tiny"), key=jax.random.key(0))(tokens())
+    assert 0.9 < float(out.res_diag) <= 1.0
+    np.testing.assert_allclose(float(jnp.sum(out.scale_weights)), 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gradients_finite_for_huge_sinkhorn_logits(dtype):
+    config = ModelConfig.preset("tiny", dtype=dtype)
+    model = perturbed(LanguageModel(config, key=jax.random.key(0)))
+    for hc in ("attn_hc", "ffn_hc"):
+        model = eqx.tree_at(lambda m, hc=hc: getattr(m.blocks, hc).alpha, model,
+                            replace_fn=lambda a: a * 1e4)
+        model = eqx.tree_at(lambda m, hc=hc: getattr(m.blocks, hc).b_res, model,
+                            replace_fn=lambda b: b * 1e4)
+    loss, grads = value_and_grad(model, tokens(batch=2, seq=SEQ + 1))
+    assert bool(jnp.isfinite(loss)) and all_finite(grads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gradients_finite_when_all_scales_agree(dtype):
+    """Zero value projection → every scale outputs exactly 0 → every Nash utility error is sqrt(0 + ε)."""
+    model = perturbed(LanguageModel(ModelConfig.preset("tiny", dtype=dtype), key=jax.random.key(0)))
+    model = eqx.tree_at(lambda m: m.blocks.attn.wv, model, replace_fn=jnp.zeros_like)
+    loss, grads = value_and_grad(model, tokens(batch=2, seq=SEQ + 1))
+    assert bool(jnp.isfinite(loss)) and all_finite(grads)
+
+
+@pytest.mark.parametrize("aggregation", ["nash", "convex"])
+def test_aggregation_weights_receive_gradient(aggregation):
+    model = perturbed(LanguageModel(ModelConfig.preset("tiny", aggregation=aggregation), key=jax.random.key(0)))
+    _, grads = value_and_grad(model, tokens(batch=2, seq=SEQ + 1))
+    prior_grad = grads.blocks.attn.aggregation.prior
+    assert all_finite(grads) and bool(jnp.all(prior_grad != 0))
+    assert bool(jnp.all(grads.blocks.attn_hc.alpha != 0)) and bool(jnp.any(grads.blocks.attn.down[0] != 0))
+
+
+def test_padded_vocab_columns_get_no_probability():
+    config = ModelConfig.preset("tiny")
+    logits = LanguageModel(config, key=jax.random.key(0))(tokens()).logits
+    assert logits.shape == (SEQ, config.padded_vocab_size)
+    probs = jax.nn.softmax(logits, axis=-1)
+    assert float(jnp.max(probs[:, config.vocab_size:])) == 0.0
+
+
+def test_untied_head_and_bfloat16_compute():
+    config = ModelConfig.preset("tiny", tie_embeddings=False, dtype="bfloat16")
+    model = LanguageModel(config, key=jax.random.key(0))
+    assert model.head is not None and model.head.dtype == jnp.float32
+    out = jax.jit(lambda m, t: m(t))(model, tokens())
+    assert out.logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out.logits[:, :config.vocab_size])))
+
+
+def test_remat_policies_do_not_change_results():
+    batch = tokens(batch=2, seq=SEQ + 1)
+    results = {}
+    for remat in ("none", "full", "dots"):
+        model = perturbed(LanguageModel(ModelConfig.preset("tiny", remat=remat), key=jax.random.key(0)))
+        results[remat] = value_and_grad(model, batch)
+    for remat in ("full", "dots"):
+        np.testing.assert_allclose(float(results[remat][0]), float(results["none"][0]), rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(results[remat][1]), jax.tree.leaves(results["none"][1]), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_wrong_token_rank_or_dtype_is_a_type_error_naming_the_mismatch():
+    model = LanguageModel(ModelConfig.preset("tiny"), key=jax.random.key(0))
+    with pytest.raises(Exception, match="tokens") as two_d:
+        model(tokens(batch=2))
+    assert "seq" in str(two_d.value)
+    with pytest.raises(Exception, match="tokens") as floats:
+        model(jnp.zeros((SEQ,), jnp.float32))
+    assert "Int" in str(floats.value) or "int" in str(floats.value)
+
+
+def count_equations(jaxpr) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            total += count_equations(sub)
+    return total
+
+
+def layer_scans(jaxpr, num_layers: int) -> int:
+    return sum(1 for e in jaxpr.eqns if e.primitive.name == "scan" and e.params["length"] == num_layers)
+
+
+def test_layers_run_in_one_scan_and_program_size_is_flat_in_depth():
+    sizes = {}
+    for depth in (3, 6):
+        model = LanguageModel(ModelConfig.preset("tiny", num_layers=depth), key=jax.random.key(0))
+        params, static = eqx.partition(model, eqx.is_array)
+        forward = jax.make_jaxpr(lambda p, t, static=static: eqx.combine(p, static)(t).logits)(params, tokens())
+        assert layer_scans(forward.jaxpr, depth) == 1
+        train = jax.make_jaxpr(lambda p, b, static=static: jax.grad(lm_loss)(eqx.combine(p, static), b))(
+            params, tokens(batch=2, seq=SEQ + 1))
+        sizes[depth] = count_equations(train.jaxpr)
+    assert sizes[3] == sizes[6]
+
+
+def test_tiny_forward_backward_compiles_quickly():
+    config = ModelConfig.preset("tiny")
+    model = LanguageModel(config, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    step = jax.jit(lambda p, b: jax.value_and_grad(lambda q: lm_loss(eqx.combine(q, static), b))(p))
+    batch = tokens(batch=4, seq=config.seq_len + 1)
+    start = time.perf_counter()
+    compiled = step.lower(params, batch).compile()
+    elapsed = time.perf_counter() - start
+    loss, _ = compiled(params, batch)
+    assert bool(jnp.isfinite(loss))
+    assert elapsed < 60.0, f"tiny forward+backward took {elapsed:.1f}s to compile"
