@@ -1,0 +1,123 @@
+"""Orbax checkpoints of the TrainState plus a JSON record of the run (step, data position, configs).
+
+Layout: ``<dir>/<step>/state`` (every array leaf of the TrainState, keyed by its tree path) and
+``<dir>/<step>/meta`` (JSON). Saves are asynchronous; Orbax writes into a temporary directory and renames it
+when complete, so a process killed mid-save leaves the previous checkpoint as the latest one. Restores place
+every array with the sharding of the *current* mesh, so a run saved on one mesh resumes on any other.
+Every process must call save/restore (Orbax coordinates the hosts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import orbax.checkpoint as ocp
+from jaxtyping import PyTree
+
+from nash_mhc.config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or does not fit the run that tries to resume it."""
+
+
+def _is_shape(x: object) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct | jax.Array)
+
+
+def state_arrays(state: PyTree) -> dict[str, Any]:
+    """{tree path: array} of every array leaf (arrays or ShapeDtypeStructs) of ``state``."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(state, _is_shape))
+    return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+
+
+def with_arrays(template: PyTree, arrays: dict[str, Any]) -> PyTree:
+    """``template`` with its array leaves replaced, by tree path, from ``arrays``."""
+    dynamic, static = eqx.partition(template, _is_shape)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
+    missing = [jax.tree_util.keystr(p) for p, _ in leaves if jax.tree_util.keystr(p) not in arrays]
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} state arrays (e.g. {missing[0]})")
+    new = [arrays[jax.tree_util.keystr(p)] for p, _ in leaves]
+    return eqx.combine(jax.tree.unflatten(treedef, new), static)
+
+
+def config_differences(saved: dict[str, Any], current: ModelConfig) -> list[str]:
+    """Names of the architecture fields whose values differ (runtime-only fields are ignored)."""
+    runtime = {"remat"}
+    now = dataclasses.asdict(current)
+    return sorted(k for k in now if k not in runtime and k in saved and saved[k] != now[k])
+
+
+class Checkpointer:
+    """Thin wrapper around ``ocp.CheckpointManager`` for TrainState + JSON metadata."""
+
+    def __init__(self, directory: str | Path, *, max_to_keep: int | None = 3, async_save: bool = True,
+                 read_only: bool = False):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+                                               create=not read_only, read_only=read_only,
+                                               cleanup_tmp_directories=not read_only)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, state: PyTree, meta: dict[str, Any], *, force: bool = True) -> bool:
+        """Start an asynchronous save of ``state`` and ``meta`` at ``step`` (device→host copy is done here)."""
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state_arrays(state)),
+                                  meta=ocp.args.JsonSave(meta))
+        return self.manager.save(step, args=args, force=force)
+
+    def wait(self) -> None:
+        """Block until every pending save is complete on disk."""
+        self.manager.wait_until_finished()
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            return dict(restored["meta"])
+        except Exception as error:  # noqa: BLE001 - any read failure means an unusable checkpoint
+            raise CheckpointError(f"cannot read checkpoint metadata at {self.directory}/{step}: "
+                                  f"{type(error).__name__}: {str(error).splitlines()[0][:200]}") from error
+
+    def restore(self, step: int, template: PyTree) -> PyTree:
+        """Restore the state at ``step`` onto the shardings of ``template`` (arrays or ShapeDtypeStructs)."""
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+                  for k, v in state_arrays(template).items()}
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        except Exception as error:  # noqa: BLE001
+            raise CheckpointError(f"cannot restore checkpoint {self.directory}/{step}: "
+                                  f"{type(error).__name__}: {str(error).splitlines()[0][:200]}") from error
+        arrays = dict(restored["state"])
+        for key, spec in target.items():
+            if key in arrays and tuple(arrays[key].shape) != tuple(spec.shape):
+                raise CheckpointError(f"checkpoint array {key} has shape {tuple(arrays[key].shape)}, "
+                                      f"the run expects {tuple(spec.shape)}")
+        return with_arrays(template, arrays)
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def find_checkpoint(path: str | Path) -> tuple[Path, int | None]:
+    """Resolve ``--resume-from``: a run directory (latest step) or one step directory inside it."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    if path.name.isdigit() and (path / "state").exists():
+        return path.parent, int(path.name)
+    return path, None
+
+
+def dump_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,79 @@
+"""Run logging on process 0: tqdm progress bar, ``metrics.jsonl`` and TensorBoard scalars."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+class RunLogger:
+    """Writes one JSON object per logged step to ``<dir>/metrics.jsonl`` and the same scalars to TensorBoard.
+
+    Disabled (every method a no-op) on processes other than 0, so a multi-host run writes one log.
+    """
+
+    def __init__(self, directory: str | Path, *, enabled: bool, total_steps: int, start_step: int,
+                 progress: bool = True):
+        self.enabled = enabled
+        self.directory = Path(directory)
+        self._bar = None
+        self._jsonl = None
+        self._tb = None
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (self.directory / "metrics.jsonl").open("a", buffering=1)
+        self._tb = SummaryWriter(logdir=str(self.directory), flush_secs=10)
+        if progress:
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             mininterval=1.0)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` (must hold ``step``) to metrics.jsonl and TensorBoard."""
+        if not self.enabled:
+            return
+        step = int(record["step"])
+        clean = {k: (float(v) if isinstance(v, int | float) and not isinstance(v, bool) else v)
+                 for k, v in record.items()}
+        clean["step"] = step
+        self._jsonl.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                      for k, v in clean.items()}) + "\n")
+        shown = ("loss", "eval_loss", "grad_norm", "learning_rate", "tokens_per_second", "mfu")
+        line = " ".join(f"{k} {clean[k]:.4g}" for k in shown if isinstance(clean.get(k), float))
+        self.message(f"step {step}: {line}")
+        for key, value in clean.items():
+            if key != "step" and isinstance(value, float) and math.isfinite(value):
+                group = "eval" if key.startswith("eval") else "train"
+                self._tb.add_scalar(key if "/" in key else f"{group}/{key}", value, step)
+
+    def scalar(self, name: str, value: float, step: int) -> None:
+        if self.enabled:
+            self._tb.add_scalar(name, value, step)
+
+    def progress(self, step: int, loss: float, tokens_per_second: float) -> None:
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_second:,.0f}", refresh=False)
+            self._bar.refresh()
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()

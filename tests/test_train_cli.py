@@ -1,0 +1,227 @@
+"""The training program end to end: outputs, exact resume, preemption, crash safety, meshes, hosts, errors.
+
+Each run is a real ``python -m nash_mhc.train`` subprocess on the ``tiny`` preset with a shared persistent
+compilation cache, so most runs after the first skip compilation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nash_mhc.train import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULE = ["--lr-schedule-steps", "40", "--warmup-steps", "4", "--learning-rate", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("xla_cache")
+
+
+def command(*args: str, cache: Path, model: str = "tiny") -> list[str]:
+    return [sys.executable, "-m", "nash_mhc.train", "--model", model, "--no-progress", "--log-interval", "1",
+            "--compile-cache-dir", str(cache), *args]
+
+
+def environment(devices: int = 1, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+def train(*args: str, cache: Path, devices: int = 1, model: str = "tiny", expect: int = 0,
+          timeout: int = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run(command(*args, cache=cache, model=model), env=environment(devices), cwd=ROOT,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == expect, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def steps_saved(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in run_dir.iterdir() if p.name.isdigit())
+
+
+def test_readme_main_command_trains_and_writes_its_outputs(tmp_path, cache_dir):
+    run = tmp_path / "main"
+    train("--use-small-model", "--total-steps", "100", "--batch-size", "8", "--checkpoint-dir", str(run),
+          cache=cache_dir, model="small")
+    curve = losses(run)
+    assert curve[1] - curve[100] >= 1.5, curve
+    assert steps_saved(run) == [100]
+    assert any(p.name.startswith("events.out.tfevents") for p in run.iterdir())
+    assert json.loads((run / "config.json").read_text())["model_config"]["d_model"] == 256
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("step", "loss", "ce_loss", "aux_loss", "learning_rate", "grad_norm", "tokens_per_second", "mfu",
+                "step_time_s"):
+        assert key in record
+
+
+def test_resume_is_bit_identical_after_stop_and_after_sigterm(tmp_path, cache_dir):
+    reference = tmp_path / "reference"
+    train("--total-steps", "40", "--checkpoint-dir", str(reference), *SCHEDULE, cache=cache_dir)
+    expected = losses(reference)
+    assert sorted(expected) == list(range(1, 41))
+
+    stopped = tmp_path / "stopped"
+    train("--total-steps", "10", "--checkpoint-dir", str(stopped), *SCHEDULE, cache=cache_dir)
+    assert steps_saved(stopped) == [10]
+    out = train("--total-steps", "40", "--checkpoint-dir", str(stopped), *SCHEDULE, cache=cache_dir)
+    assert "resuming from step 10" in out.stdout + out.stderr
+    resumed = losses(stopped)
+    assert all(resumed[s] == expected[s] for s in range(1, 41)), "resume after --total-steps is not exact"
+
+    signalled = tmp_path / "signalled"
+    proc = subprocess.Popen(command("--total-steps", "40", "--checkpoint-dir", str(signalled), *SCHEDULE,
+                                    "--checkpoint-interval", "1000", cache=cache_dir),
+                            env=environment(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((signalled / "metrics.jsonl").exists() and losses(signalled)):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    (stop_step,) = steps_saved(signalled)
+    assert 1 <= stop_step <= 40
+    train("--total-steps", "40", "--checkpoint-dir", str(signalled), *SCHEDULE, cache=cache_dir)
+    after = losses(signalled)
+    assert all(after[s] == expected[s] for s in range(1, 41)), "resume after SIGTERM is not exact"
+
+
+def test_kill_during_async_save_resumes_from_last_complete_checkpoint(tmp_path, cache_dir):
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(command("--total-steps", "100000", "--checkpoint-interval", "1", "--max-checkpoints",
+                                    "2", "--checkpoint-dir", str(run), cache=cache_dir),
+                            env=environment(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run.exists() and len(steps_saved(run)) >= 2):
+        time.sleep(0.02)
+    proc.kill()  # SIGKILL, very likely in the middle of an asynchronous save (one starts every step)
+    proc.wait()
+    complete = [s for s in steps_saved(run) if (run / str(s) / "meta").exists()]
+    assert complete
+    out = train("--total-steps", str(max(complete) + 2), "--checkpoint-dir", str(run), cache=cache_dir)
+    resumed_from = int(out.stdout.split("resuming from step ")[1].split()[0])
+    assert resumed_from >= max(complete) - 1 and resumed_from in complete + steps_saved(run)
+    assert max(steps_saved(run)) == max(complete) + 2 or max(steps_saved(run)) == resumed_from + 2
+
+
+def test_sharded_runs_match_one_device_and_resume_on_other_meshes(tmp_path, cache_dir):
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    base = ["--total-steps", "6", "--batch-size", "8", "--checkpoint-interval", "3", *SCHEDULE]
+    train(*base, "--checkpoint-dir", str(single), cache=cache_dir)
+    train(*base, "--checkpoint-dir", str(sharded), "--mesh-data", "2", "--mesh-fsdp", "2", "--mesh-tp", "2",
+          cache=cache_dir, devices=8)
+    one, eight = losses(single), losses(sharded)
+    for step in range(1, 7):
+        assert abs(eight[step] - one[step]) <= 1e-4 * abs(one[step]), (step, eight[step], one[step])
+
+    continued = {}
+    for name, devices, mesh in (("fsdp8", 8, ["--mesh-data", "1", "--mesh-fsdp", "8"]), ("one", 1, [])):
+        target = tmp_path / name
+        shutil.copytree(sharded, target)
+        (target / "metrics.jsonl").unlink()
+        out = train("--total-steps", "8", "--checkpoint-dir", str(target), *SCHEDULE, "--batch-size", "8", *mesh,
+                    cache=cache_dir, devices=devices)
+        assert "resuming from step 6" in out.stdout
+        continued[name] = losses(target)
+    for step in (7, 8):
+        assert abs(continued["fsdp8"][step] - continued["one"][step]) <= 1e-4 * abs(continued["one"][step])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_log_the_same_losses_once(tmp_path, cache_dir):
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    base = ["--total-steps", "4", "--batch-size", "8", *SCHEDULE]
+    train(*base, "--checkpoint-dir", str(single), cache=cache_dir)
+    port = free_port()
+    procs = []
+    for index in range(2):
+        env = environment(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_COUNT="2",
+                          JAX_PROCESS_INDEX=str(index))
+        procs.append(subprocess.Popen(command(*base, "--checkpoint-dir", str(multi), "--mesh-data", "2",
+                                              "--mesh-fsdp", "2", "--mesh-tp", "2", cache=cache_dir),
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    one, two = losses(single), losses(multi)
+    assert sorted(two) == [1, 2, 3, 4]  # one writer: every step logged exactly once
+    assert len((multi / "metrics.jsonl").read_text().splitlines()) == 4
+    for step in range(1, 5):
+        assert abs(two[step] - one[step]) <= 1e-4 * abs(one[step])
+    assert "devices: 8" in outputs[0] and "devices:" not in outputs[1]
+
+
+def test_nonfinite_loss_aborts_with_the_step_number(tmp_path, cache_dir):
+    run = tmp_path / "diverged"
+    result = train("--total-steps", "30", "--learning-rate", "1e30", "--warmup-steps", "0", "--max-nonfinite-steps",
+                   "3", "--checkpoint-dir", str(run), cache=cache_dir, expect=3)
+    assert "not finite for 3 steps in a row" in result.stdout + result.stderr
+    assert not steps_saved(run)
+
+
+# ------------------------------------------------------------------------------------- bad input → exit 2
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    code = main(["--model", "tiny", "--no-progress", "--compile-cache-dir", "none", *argv])
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mesh-data", "3"], "8"),  # 8 devices in the test process
+    (["--seq-len", "30"], "divisible by the coarsest block"),
+    (["--batch-size", "4"], "not divisible by data*fsdp = 8"),
+    (["--dataset", "HuggingFaceTB/smollm-corpus", "--dataset-name", "cosmopedia-v2"], "offline"),
+    (["--learning-rate", "-1"], "learning_rate must be > 0"),
+])
+def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys, argv, message):
+    code, err = run_main([*argv, "--checkpoint-dir", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_unknown_preset_is_a_one_line_usage_error(tmp_path, cache_dir):
+    result = subprocess.run([sys.executable, "-m", "nash_mhc.train", "--model", "huge", "--checkpoint-dir",
+                             str(tmp_path / "x")], env=environment(), cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "unknown model preset 'huge'" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_corrupt_and_mismatched_checkpoints_exit_2_and_delete_nothing(tmp_path, capsys, cache_dir):
+    run = tmp_path / "run"
+    train("--total-steps", "2", "--checkpoint-dir", str(run), cache=cache_dir)
+    before = sorted(str(p) for p in run.rglob("*"))
+    code, err = run_main(["--num-streams", "2", "--checkpoint-dir", str(run), "--batch-size", "8"], capsys)
+    assert code == 2 and "num_streams" in err and "Traceback" not in err
+    assert sorted(str(p) for p in run.rglob("*")) == before
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(run, corrupt)
+    for meta in corrupt.glob("*/meta/*"):
+        meta.write_text("{not json")
+    code, err = run_main(["--checkpoint-dir", str(tmp_path / "fresh"), "--resume-from", str(corrupt),
+                          "--batch-size", "8"], capsys)
+    assert code == 2 and "checkpoint" in err and len(err.strip().splitlines()) == 1
+    code, err = run_main(["--resume-from", str(tmp_path / "missing"), "--batch-size", "8"], capsys)
+    assert code == 2 and "does not exist" in err
