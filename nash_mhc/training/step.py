@@ -1,0 +1,252 @@
+"""Loss, the jitted training step and the evaluation step.
+
+Dimension letters: B global batch rows, b rows on one device, T predicted positions, V padded vocabulary,
+Vt = V / tp the vocabulary columns on one device, k microbatches.
+
+Collectives that matter are written by hand in ``jax.shard_map`` (everything else is GSPMD, see
+:mod:`nash_mhc.sharding`):
+
+* vocab-parallel cross-entropy over ``tp``: every device holds logits [b, T, Vt]. The row maximum is
+  combined with ``pmax`` (gradient-free: the log-sum-exp does not depend on the shift), the sum of
+  exponentials with ``psum``, and the target logit with ``psum`` (only the device that owns the target's
+  column contributes). The full [B, T, V] logits are never gathered on one device.
+* the loss sum, the token count and the aux-loss sum are ``psum``-ed over ``("data", "fsdp")``, so the loss
+  is the exact mask-weighted mean over every prediction of the global batch.
+
+Gradient accumulation: the batch is split *strided* into k microbatches (microbatch i = rows i, i+k, ...),
+so each stays evenly sharded over the batch axes without communication, and scanned with ``lax.scan``.
+The global token count N is summed once up front (it does not depend on the parameters); microbatch i
+contributes ``ce_sum_i / N + w · aux_i / k`` to the objective, so the accumulated gradient is exactly the
+gradient of ``Σ ce_sum_i / Σ count_i + w · mean(aux)`` (token-weighted, divided once by the global count)
+and equals the single large-batch gradient.
+
+Non-finite loss or gradient norm: the update is discarded (``jnp.where`` per leaf, so model and optimizer
+state stay bit-identical), ``step`` does not advance, ``skipped`` increments and ``metrics["skipped"]`` is 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int, PyTree
+
+from nash_mhc.model import LanguageModel
+from nash_mhc.sharding import BATCH_AXES, TP, batch_shards, batch_spec, constrain, make_mesh, shard_batch
+from nash_mhc.training.optim import current_learning_rate
+from nash_mhc.training.state import Batch, TrainState
+
+Metrics = dict[str, Float[Array, ""]]
+
+
+# ------------------------------------------------------------------------------------- loss pieces
+def vocab_is_split(vocab: int, mesh: Mesh) -> bool:
+    """Whether the logits' vocabulary dimension is split over ``tp`` (else it falls back to replicated)."""
+    return vocab % mesh.shape[TP] == 0
+
+
+def loss_terms(logits: Float[Array, "batch seq vocab"], targets: Int[Array, "batch seq"],
+               mask: Float[Array, "batch seq"], aux: Float[Array, "batch"], mesh: Mesh
+               ) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
+    """Global (Σ mask·NLL, Σ mask, Σ aux) over the whole batch, computed vocab-parallel in ``shard_map``.
+
+    ``logits`` [B, T, V] float32 (padded columns already at -1e30), ``targets`` [B, T] ids < V, ``mask``
+    [B, T] token weights, ``aux`` [B] per-sequence aux loss. Rows are split over ``("data", "fsdp")``,
+    vocabulary over ``tp`` (when V divides by it). Results are replicated scalars.
+    """
+    split = vocab_is_split(logits.shape[-1], mesh)
+    vocab_axis = TP if split else None
+    logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(BATCH_AXES, None, vocab_axis)))
+
+    def local(logits: jax.Array, targets: jax.Array, mask: jax.Array, aux: jax.Array
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        local_vocab = logits.shape[-1]
+        row_max = jnp.max(jax.lax.stop_gradient(logits), axis=-1)
+        if split:
+            row_max = jax.lax.pmax(row_max, TP)
+            start = jax.lax.axis_index(TP) * local_vocab
+        else:
+            start = 0
+        sum_exp = jnp.sum(jnp.exp(logits - row_max[..., None]), axis=-1)
+        local_target = targets - start
+        owned = (local_target >= 0) & (local_target < local_vocab)
+        picked = jnp.take_along_axis(logits, jnp.clip(local_target, 0, local_vocab - 1)[..., None], axis=-1)
+        target_logit = jnp.where(owned, picked[..., 0], 0.0)
+        if split:
+            sum_exp = jax.lax.psum(sum_exp, TP)
+            target_logit = jax.lax.psum(target_logit, TP)
+        nll = jnp.log(sum_exp) + row_max - target_logit
+        ce_sum = jax.lax.psum(jnp.sum(nll * mask), BATCH_AXES)
+        count = jax.lax.psum(jnp.sum(mask), BATCH_AXES)
+        aux_sum = jax.lax.psum(jnp.sum(aux), BATCH_AXES)
+        return ce_sum, count, aux_sum
+
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(P(BATCH_AXES, None, vocab_axis), batch_spec(2), batch_spec(2), batch_spec(1)),
+                         out_specs=(P(), P(), P()), check_vma=True)(logits, targets, mask, aux)
+
+
+def global_token_count(mask: Float[Array, "*batch seq"], mesh: Mesh) -> Float[Array, ""]:
+    """Σ mask over the global batch: per-device sums ``psum``-ed over ``("data", "fsdp")``.
+
+    ``mask`` is [B, T] or [k, B/k, T] (microbatches first, rows split over the batch axes).
+    """
+    spec = P(None, BATCH_AXES, None) if mask.ndim == 3 else batch_spec(2)
+    return jax.shard_map(lambda m: jax.lax.psum(jnp.sum(m), BATCH_AXES), mesh=mesh, in_specs=spec,
+                         out_specs=P(), check_vma=True)(mask)
+
+
+def _mask_of(batch: Batch) -> jax.Array:
+    if batch.loss_mask is None:
+        return jnp.ones((batch.tokens.shape[0], batch.tokens.shape[1] - 1), jnp.float32)
+    return jnp.asarray(batch.loss_mask).astype(jnp.float32)
+
+
+def forward_terms(model: LanguageModel, inputs: Int[Array, "batch seq"], targets: Int[Array, "batch seq"],
+                  mask: Float[Array, "batch seq"], mesh: Mesh
+                  ) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
+    """Model forward on a (micro)batch → global (Σ mask·NLL, Σ mask, Σ aux)."""
+    out = jax.vmap(model)(inputs)
+    return loss_terms(out.logits, targets, mask, out.aux_loss, mesh)
+
+
+# --------------------------------------------------------------------------------------- train step
+def global_norm(tree: PyTree) -> Float[Array, ""]:
+    """sqrt(Σ x²) over every array leaf, float32."""
+    leaves = jax.tree.leaves(tree)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+
+def _check_batch(batch: Batch, mesh: Mesh, accum: int) -> None:
+    rows = batch.tokens.shape[0]
+    if not isinstance(batch.tokens, jax.Array):  # host rows: each process passes its own share
+        rows *= jax.process_count()
+    shards = batch_shards(mesh)
+    if rows % (accum * shards):
+        raise ValueError(f"batch of {rows} rows cannot be split into {accum} microbatch(es) over "
+                         f"data x fsdp = {shards} devices: rows must be a multiple of {accum * shards}")
+
+
+def _microbatches(x: jax.Array, k: int, mesh: Mesh) -> jax.Array:
+    """[B, ...] → [k, B/k, ...] with microbatch i = rows i, i+k, i+2k, ... (stays evenly sharded)."""
+    x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+    spec = P(None, BATCH_AXES, *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+@eqx.debug.assert_max_traces(max_traces=None)  # counts traces only (eqx.debug.get_num_traces)
+def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
+    mesh, config = state.mesh, state.train_config
+    k = config.grad_accum_steps
+    weight = state.model.config.sparsity_weight
+    tokens = jax.lax.with_sharding_constraint(jnp.asarray(batch.tokens), NamedSharding(mesh, batch_spec(2)))
+    mask = jax.lax.with_sharding_constraint(_mask_of(batch), NamedSharding(mesh, batch_spec(2)))
+    inputs = _microbatches(tokens[:, :-1], k, mesh)
+    targets = _microbatches(tokens[:, 1:], k, mesh)
+    masks = _microbatches(mask, k, mesh)
+    count = global_token_count(masks, mesh)
+    denom = jnp.maximum(count, 1.0)
+
+    params, static = eqx.partition(state.model, eqx.is_inexact_array)
+
+    def microbatch(carry: tuple[PyTree, jax.Array, jax.Array], xs: tuple[jax.Array, ...]
+                   ) -> tuple[tuple[PyTree, jax.Array, jax.Array], None]:
+        grad_acc, ce_acc, aux_acc = carry
+
+        def objective(p: PyTree) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            ce_sum, _, aux_sum = forward_terms(eqx.combine(p, static), *xs, mesh)
+            aux_mean = aux_sum / xs[0].shape[0]
+            return ce_sum / denom + weight * aux_mean / k, (ce_sum, aux_mean)
+
+        (_, (ce_sum, aux_mean)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        grad_acc = jax.tree.map(jnp.add, grad_acc, constrain(grads, mesh))
+        return (grad_acc, ce_acc + ce_sum, aux_acc + aux_mean), None
+
+    zeros = constrain(jax.tree.map(jnp.zeros_like, params), mesh)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grads, ce_sum, aux_sum), _ = jax.lax.scan(microbatch, init, (inputs, targets, masks))
+    ce_loss = ce_sum / denom
+    aux_loss = aux_sum / k
+    loss = ce_loss + weight * aux_loss
+    grad_norm = global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    learning_rate = current_learning_rate(opt_state)
+
+    def keep_if_finite(new: Any, old: Any) -> Any:
+        return jnp.where(finite, new, old)
+
+    new_params = jax.tree.map(keep_if_finite, new_params, params)
+    opt_state = jax.tree.map(keep_if_finite, opt_state, state.opt_state)
+    skipped = (~finite).astype(jnp.int32)
+    new_state = TrainState(model=eqx.combine(new_params, static), opt_state=opt_state,
+                           step=state.step + (1 - skipped), skipped=state.skipped + skipped,
+                           optimizer=state.optimizer, train_config=config, mesh=mesh)
+    new_state = constrain(new_state, mesh)
+    metrics = {
+        "loss": loss,
+        "ce_loss": ce_loss,
+        "aux_loss": aux_loss,
+        "grad_norm": grad_norm,
+        "learning_rate": learning_rate,
+        "tokens": count,
+        "skipped": skipped.astype(jnp.float32),
+    }
+    return new_state, metrics
+
+
+_train_step_jit = eqx.filter_jit(_train_step, donate="all-except-first")
+
+
+def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    """One optimizer step (``grad_accum_steps`` microbatches). ``state`` is donated: do not reuse it.
+
+    Metrics (replicated float32 scalars): loss (= ce_loss + sparsity_weight·aux_loss), ce_loss (token-
+    weighted mean over the global batch), aux_loss (batch mean), grad_norm (before clipping),
+    learning_rate (used by this step), tokens (Σ loss_mask), skipped (1 if the update was skipped).
+    Host arrays in ``batch`` are placed with :func:`nash_mhc.sharding.shard_batch`.
+    """
+    _check_batch(batch, state.mesh, state.train_config.grad_accum_steps)
+    return _train_step_jit(shard_batch(batch, state.mesh), state)
+
+
+def num_train_step_traces() -> int:
+    """How many times the training step has been traced in this process (for recompilation checks)."""
+    return eqx.debug.get_num_traces(_train_step)
+
+
+# ---------------------------------------------------------------------------------------- eval step
+@eqx.filter_jit
+def _eval_step(model: LanguageModel, batch: Batch, mesh: Mesh) -> Metrics:
+    tokens = jax.lax.with_sharding_constraint(jnp.asarray(batch.tokens), NamedSharding(mesh, batch_spec(2)))
+    mask = jax.lax.with_sharding_constraint(_mask_of(batch), NamedSharding(mesh, batch_spec(2)))
+    ce_sum, count, aux_sum = forward_terms(model, tokens[:, :-1], tokens[:, 1:], mask, mesh)
+    ce_loss = ce_sum / jnp.maximum(count, 1.0)
+    aux_loss = aux_sum / tokens.shape[0]
+    loss = ce_loss + model.config.sparsity_weight * aux_loss
+    return {"loss": loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "tokens": count}
+
+
+def mesh_of(model: LanguageModel) -> Mesh:
+    """The mesh the model's parameters live on (a one-device mesh for unsharded parameters)."""
+    sharding = getattr(model.embedding, "sharding", None)
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+        return sharding.mesh
+    devices = sorted(sharding.device_set, key=lambda d: d.id) if sharding is not None else jax.devices()[:1]
+    return make_mesh(1, 1, 1, devices=devices[:1])
+
+
+def eval_step(model: LanguageModel, batch: Batch, *, mesh: Mesh | None = None) -> Metrics:
+    """Loss metrics of ``model`` on ``batch`` (no update): loss, ce_loss, aux_loss, tokens.
+
+    ``mesh`` defaults to the mesh of the model's parameters.
+    """
+    mesh = mesh_of(model) if mesh is None else mesh
+    _check_batch(batch, mesh, 1)
+    return _eval_step(model, shard_batch(batch, mesh), mesh)

@@ -1,0 +1,232 @@
+"""Mesh construction, the PartitionSpec rule table, fallbacks and born-sharded initialisation.
+
+Runs on the 8 fake CPU devices that tests/conftest.py requests (XLA_FLAGS) before JAX starts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nash_mhc import ModelConfig
+from nash_mhc.model import LanguageModel
+from nash_mhc.sharding import (
+    AXES,
+    MeshError,
+    batch_spec,
+    leaf_spec,
+    make_mesh,
+    partition_specs,
+    path_str,
+    resolve_mesh_shape,
+    shard_batch,
+    sharding_fallbacks,
+    sharding_summary,
+    valid_mesh_shapes,
+)
+from nash_mhc.training import Batch, TrainConfig
+from nash_mhc.training.state import init_train_state, reshard_state, state_initializer
+
+# Every dimension that a rule splits divides by 8: heads 8, F 256, V 384, D 64, n·D 256.
+SHARDABLE = dict(d_model=64, num_heads=8, ffn_hidden=256, seq_len=16, num_layers=2)
+
+
+def needs_8_devices() -> None:
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+def abstract_model(config: ModelConfig) -> LanguageModel:
+    return eqx.filter_eval_shape(LanguageModel, config, key=jax.random.key(0))
+
+
+def array_leaves(tree: object) -> list[tuple[str, jax.ShapeDtypeStruct]]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(path_str(p), leaf) for p, leaf in flat if hasattr(leaf, "shape")]
+
+
+# ------------------------------------------------------------------------------------------------ mesh
+def test_make_mesh_rejects_wrong_product_naming_devices_and_valid_shapes():
+    needs_8_devices()
+    with pytest.raises(MeshError) as info:
+        make_mesh(3, 1, 1)
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert "8" in message
+    assert "(8,1,1)" in message and "(2,2,2)" in message
+
+
+@pytest.mark.parametrize("axes", [(0, 1, 1), (1, -2, 1), (-1, -1, 2), (-1, 3, 1), (True, 1, 8)])
+def test_make_mesh_rejects_bad_axes(axes):
+    needs_8_devices()
+    with pytest.raises(MeshError, match="8 devices"):
+        make_mesh(*axes)
+    with pytest.raises((MeshError, TypeError)):  # the test-suite's beartype hook may see it first
+        make_mesh(1.5, 1, 1)
+
+
+def test_make_mesh_shapes_fill_and_axis_types():
+    needs_8_devices()
+    for requested, expected in [((-1, 1, 1), (8, 1, 1)), ((-1, 2, 2), (2, 2, 2)), ((1, -1, 2), (1, 4, 2)),
+                                ((1, 1, 8), (1, 1, 8)), ((2, 4, -1), (2, 4, 1))]:
+        mesh = make_mesh(*requested)
+        assert mesh.axis_names == AXES
+        assert tuple(mesh.shape.values()) == expected  # size-1 axes are kept
+        assert mesh.axis_types == (AxisType.Auto,) * 3
+        assert mesh.size == 8
+    assert tuple(make_mesh().shape.values()) == (8, 1, 1)  # the CLI default: data = -1
+    one = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    assert one.size == 1 and one.devices.flat[0] == jax.devices()[0]
+    with pytest.raises(MeshError, match="1 devices"):
+        make_mesh(2, 1, 1, devices=jax.devices()[:1])
+
+
+def test_valid_shapes_and_multi_host_divisibility():
+    shapes = valid_mesh_shapes(8)
+    assert len(shapes) == 10 and all(math.prod(s) == 8 for s in shapes)
+    assert resolve_mesh_shape(-1, 2, 4, 16, local_device_count=4) == (2, 2, 4)
+    with pytest.raises(MeshError, match="tp=8 does not divide the 4 devices of one host"):
+        resolve_mesh_shape(1, 2, 8, 16, local_device_count=4)
+    assert all(t in (1, 2, 4) for _, _, t in valid_mesh_shapes(16, local_device_count=4))
+
+
+# ----------------------------------------------------------------------------------------- spec rules
+VARIANTS = [
+    dict(),
+    dict(residual="hc"),
+    dict(residual="plain", attention="full"),
+    dict(aggregation="convex", tie_embeddings=False),
+    dict(num_streams=2, num_scales=2),
+]
+
+
+@pytest.mark.parametrize("overrides", VARIANTS)
+def test_every_parameter_has_a_rule(overrides):
+    """strict=True raises on a leaf without a rule: a new parameter must be added to PARAM_RULES."""
+    needs_8_devices()
+    config = ModelConfig.preset("tiny", **{**SHARDABLE, **overrides})
+    model = abstract_model(config)
+    mesh = make_mesh(2, 2, 2)
+    specs = partition_specs(model, mesh, strict=True)
+    assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(
+        eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct)))
+    assert sharding_fallbacks(model, make_mesh(1, 4, 2)) == []
+
+
+def test_rule_table():
+    needs_8_devices()
+    config = ModelConfig.preset("tiny", **SHARDABLE, tie_embeddings=False)
+    specs = dict((path, leaf_spec(path, leaf.shape, make_mesh(2, 2, 2))[0])
+                 for path, leaf in array_leaves(abstract_model(config)))
+    expected = {
+        "embedding": P("tp", "fsdp"),
+        "head": P("fsdp", "tp"),
+        "final_norm.weight": P(),
+        "blocks.attn.wq": P(None, None, "fsdp", "tp"),
+        "blocks.attn.wk": P(None, None, "fsdp", "tp"),
+        "blocks.attn.wv": P(None, "fsdp", "tp"),
+        "blocks.attn.wo": P(None, "tp", None, "fsdp"),
+        "blocks.attn.down[0]": P(None, None, "fsdp"),
+        "blocks.attn.aggregation.prior": P(),
+        "blocks.ffn.w_gate": P(None, "fsdp", "tp"),
+        "blocks.ffn.w_up": P(None, "fsdp", "tp"),
+        "blocks.ffn.w_down": P(None, "tp", "fsdp"),
+        "blocks.attn_hc.phi": P(None, ("fsdp", "tp")),
+        "blocks.ffn_hc.b_res": P(),
+        "blocks.attn_hc.alpha": P(),
+        "blocks.attn_hc.norm.weight": P(),
+        "blocks.attn_norm.weight": P(),
+    }
+    for path, spec in expected.items():
+        assert specs[path] == spec, path
+
+
+def test_indivisible_dimensions_fall_back_and_are_reported():
+    needs_8_devices()
+    config = ModelConfig.preset("tiny", **SHARDABLE)  # 8 heads, F=256, n·D=256: none divide by 3
+    mesh = make_mesh(1, 2, 3, devices=jax.devices()[:6])
+    model = abstract_model(config)
+    fallbacks = {(fb.path, fb.dim): fb for fb in sharding_fallbacks(model, mesh)}
+    assert ("blocks.attn.wq", 3) in fallbacks  # heads 8 over tp=3 → replicated
+    assert ("blocks.ffn.w_up", 2) in fallbacks  # F=256 over tp=3
+    assert fallbacks[("blocks.attn_hc.phi", 1)].kept == ("fsdp",)  # 256 over fsdp·tp=6 → fsdp only
+    assert ("embedding", 0) not in fallbacks  # 384 = 3·128
+    specs = dict((path, leaf_spec(path, leaf.shape, mesh)[0]) for path, leaf in array_leaves(model))
+    assert specs["blocks.attn.wq"] == P(None, None, "fsdp")
+    assert specs["blocks.attn_hc.phi"] == P(None, "fsdp")
+    summary = "\n".join(sharding_summary(model, mesh))
+    assert "data=1 fsdp=2 tp=3" in summary
+    assert "blocks.attn.wq dim 3 (size 8) does not divide by tp=3; using replicated" in summary
+    clean = sharding_summary(model, make_mesh(2, 2, 2))
+    assert any("every parameter dimension divides" in line for line in clean)
+
+
+def test_unknown_leaf_warns_or_raises():
+    needs_8_devices()
+    mesh = make_mesh(8, 1, 1)
+    tree = {"mystery": jax.ShapeDtypeStruct((4, 4), jnp.float32), "count": jax.ShapeDtypeStruct((), jnp.int32)}
+    with pytest.warns(UserWarning, match="no sharding rule for parameter 'mystery'"):
+        specs = partition_specs(tree, mesh)
+    assert specs == {"mystery": P(), "count": P()}
+    with pytest.raises(ValueError, match="PARAM_RULES"):
+        partition_specs(tree, mesh, strict=True)
+
+
+def test_shard_batch_splits_rows_over_data_and_fsdp():
+    needs_8_devices()
+    mesh = make_mesh(2, 2, 2)
+    batch = shard_batch(Batch(tokens=np.zeros((8, 5), np.int32), loss_mask=np.ones((8, 4), bool)), mesh)
+    for leaf in (batch.tokens, batch.loss_mask):
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, batch_spec(2)), 2)
+        assert {s.data.shape[0] for s in leaf.addressable_shards} == {2}
+
+
+# ---------------------------------------------------------------------------------- born sharded
+def device_bytes(leaves: list[jax.Array], device: jax.Device) -> int:
+    return sum(s.data.nbytes for leaf in leaves for s in leaf.addressable_shards if s.device == device)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1), (1, 4, 2), (1, 1, 8)])
+def test_state_is_born_sharded_within_ten_percent_of_ideal(shape):
+    """Parameters + optimizer state: every device holds ≤ 1.10 × total / 8 bytes, laid out by the rules."""
+    needs_8_devices()
+    mesh = make_mesh(*shape)
+    config = ModelConfig.preset("tiny", **SHARDABLE)
+    init_leaves, finish = state_initializer(config, TrainConfig(), mesh, key=jax.random.key(0))
+    compiled = init_leaves.lower(jax.random.key(0)).compile()
+    state = finish(compiled(jax.random.key(0)))
+    leaves = jax.tree.leaves(eqx.filter(state, eqx.is_array))
+    total = sum(leaf.nbytes for leaf in leaves)
+    worst = max(device_bytes(leaves, device) for device in mesh.devices.flat)
+    assert worst <= 1.10 * total / 8, (worst, total / 8)
+    for (path, leaf), array in zip(array_leaves(eqx.filter(state, eqx.is_array)), leaves, strict=True):
+        expected = NamedSharding(mesh, leaf_spec(path, leaf.shape, mesh)[0])
+        assert array.sharding.is_equivalent_to(expected, array.ndim), path
+    # The init program never holds the whole state on one device: per-device outputs + temporaries stay well
+    # below the total (an init with replicated outputs needs more than the total for temporaries alone).
+    stats = compiled.memory_analysis()
+    if stats is not None:
+        assert stats.output_size_in_bytes + stats.temp_size_in_bytes < total / 2
+
+
+def test_reshard_state_moves_a_state_between_meshes():
+    needs_8_devices()
+    config = ModelConfig.preset("tiny", **SHARDABLE)
+    one = init_train_state(config, TrainConfig(), make_mesh(1, 1, 1, devices=jax.devices()[:1]),
+                           key=jax.random.key(3))
+    mesh = make_mesh(2, 2, 2)
+    many = reshard_state(one, mesh)
+    assert many.mesh is mesh and one.mesh.size == 1
+    for path, leaf in array_leaves(eqx.filter(many, eqx.is_array)):
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, leaf_spec(path, leaf.shape, mesh)[0]),
+                                              leaf.ndim), path
+    for a, b in zip(jax.tree.leaves(eqx.filter(one, eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(many, eqx.is_array)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,0 +1,324 @@
+"""The sharded training step: mesh equivalence, accumulation, skipping, tracing, collectives, optimizer.
+
+Runs on the 8 fake CPU devices that tests/conftest.py requests. One module-scoped fixture compiles one
+step per mesh and runs 5 steps on each; the tests read its results (CI has 2 cores).
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+
+from nash_mhc import LanguageModel, ModelConfig
+from nash_mhc.sharding import leaf_spec, make_mesh, path_str, shard_batch
+from nash_mhc.training import (
+    Batch,
+    TrainConfig,
+    decay_mask,
+    eval_step,
+    init_train_state,
+    loss_terms,
+    make_schedule,
+    num_train_step_traces,
+    reshard_state,
+    train_step,
+    training_model_config,
+)
+from nash_mhc.training import step as step_module
+
+MODEL = ModelConfig.preset("tiny", d_model=64, num_heads=8, ffn_hidden=256, seq_len=16, num_layers=2)
+TRAIN = TrainConfig(batch_size=8, learning_rate=1e-3, warmup_steps=2, total_steps=10)
+MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 4, 2), (2, 2, 2), (1, 1, 8)]
+STEPS = 5
+ROWS, SEQ = 8, 16
+
+
+def needs_8_devices() -> None:
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+def mesh_for(shape: tuple[int, int, int]) -> jax.sharding.Mesh:
+    devices = jax.devices()[:1] if math.prod(shape) == 1 else None
+    return make_mesh(*shape, devices=devices)
+
+
+def make_batches() -> list[Batch]:
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(STEPS):
+        tokens = rng.integers(0, MODEL.vocab_size, (ROWS, SEQ + 1)).astype(np.int32)
+        mask = (rng.random((ROWS, SEQ)) < 0.8).astype(np.float32)  # uneven token counts per row
+        batches.append(Batch(tokens=tokens, loss_mask=mask))
+    return batches
+
+
+def host(tree: object) -> list[np.ndarray]:
+    return [np.array(leaf) for leaf in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """Per mesh: metrics of 5 steps, host copies of the parameters after steps 1 and 3, trace counts.
+
+    The state is initialised once (on one device) and copied onto each mesh with ``reshard_state`` (born-
+    sharded initialisation is tested in test_sharding.py): one step compilation per mesh.
+    """
+    needs_8_devices()
+    batches = make_batches()
+    base = init_train_state(MODEL, TRAIN, mesh_for((1, 1, 1)), key=jax.random.key(0))
+    out = {}
+    for shape in MESHES[1:] + MESHES[:1]:  # the one-device run last: it consumes (donates) ``base``
+        state = reshard_state(base, mesh_for(shape)) if math.prod(shape) > 1 else base
+        traces_before = num_train_step_traces()
+        metrics, params = [], {}
+        for i, batch in enumerate(batches):
+            state, m = train_step(state, batch)
+            metrics.append({k: float(v) for k, v in m.items()})
+            if i + 1 in (1, 3):
+                params[i + 1] = host(state.model)
+        out[shape] = dict(metrics=metrics, params=params, traces=num_train_step_traces() - traces_before,
+                          state=state, batches=batches)
+    return out
+
+
+# ------------------------------------------------------------------------------------ equivalence
+@pytest.mark.parametrize("shape", MESHES[1:])
+def test_sharded_steps_match_one_device(runs, shape):
+    """3 float32 steps: losses within 1e-5 relative, every parameter within 1e-4 absolute."""
+    ref, got = runs[(1, 1, 1)], runs[shape]
+    for step in range(3):
+        for name in ("loss", "ce_loss", "aux_loss", "grad_norm"):
+            a, b = got["metrics"][step][name], ref["metrics"][step][name]
+            assert abs(a - b) <= 1e-5 * abs(b), (step, name, a, b)
+        assert got["metrics"][step]["tokens"] == ref["metrics"][step]["tokens"]
+    for a, b in zip(got["params"][3], ref["params"][3], strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def test_training_makes_progress_and_logs(runs):
+    metrics = runs[(1, 1, 1)]["metrics"]
+    schedule = make_schedule(TRAIN)
+    for step, m in enumerate(metrics):
+        assert set(m) >= {"loss", "ce_loss", "aux_loss", "grad_norm", "learning_rate", "tokens", "skipped"}
+        assert m["skipped"] == 0.0
+        assert m["learning_rate"] == pytest.approx(float(schedule(step)), rel=1e-6)
+        assert m["loss"] == pytest.approx(m["ce_loss"] + MODEL.sparsity_weight * m["aux_loss"], rel=1e-6)
+        assert 0.0 < m["aux_loss"] <= 1.0 and m["grad_norm"] > 0
+    assert metrics[0]["ce_loss"] == pytest.approx(math.log(MODEL.vocab_size), rel=0.05)
+    assert metrics[0]["learning_rate"] == pytest.approx(TRAIN.learning_rate / 2)  # warmup (step+1)/2
+
+
+def test_step_traces_once_per_mesh(runs):
+    for shape in MESHES:
+        assert runs[shape]["traces"] == 1, shape
+
+
+def test_step_count_and_state_sharding_preserved(runs):
+    state = runs[(2, 2, 2)]["state"]
+    assert int(state.step) == STEPS and int(state.skipped) == 0
+    assert int(state.opt_state.count) == STEPS
+    arrays = eqx.filter(state, eqx.is_array)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]:
+        expected = NamedSharding(state.mesh, leaf_spec(path_str(path), leaf.shape, state.mesh)[0])
+        assert leaf.sharding.is_equivalent_to(expected, leaf.ndim), path_str(path)
+
+
+# ----------------------------------------------------------------------------------- loss and eval
+def reference_terms(logits: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
+    nll = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(logits), jnp.asarray(targets))
+    return float(jnp.sum(nll * mask)), float(np.sum(mask))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 2, 2), (1, 1, 5)])
+def test_vocab_parallel_cross_entropy_matches_dense(shape):
+    """Σ NLL, count, aux and d(mean CE)/d(logits) equal optax's dense result; (1,1,5): 384 % 5 != 0, so
+    the vocabulary falls back to replicated and no tp collective is used."""
+    needs_8_devices()
+    mesh = make_mesh(*shape, devices=jax.devices()[:math.prod(shape)])
+    assert step_module.vocab_is_split(384, mesh) == (shape != (1, 1, 5))
+    rng = np.random.default_rng(1)
+    vocab, real = 384, 259
+    logits = rng.normal(size=(8, 4, vocab)).astype(np.float32) * 5
+    logits[..., real:] = -1e30  # the model's vocab padding
+    targets = rng.integers(0, real, (8, 4)).astype(np.int32)
+    mask = (rng.random((8, 4)) < 0.7).astype(np.float32)
+    aux = rng.random(8).astype(np.float32)
+
+    def mean_ce(x: jax.Array) -> jax.Array:
+        ce_sum, count, _ = loss_terms(x, jnp.asarray(targets), jnp.asarray(mask), jnp.asarray(aux), mesh)
+        return ce_sum / count
+
+    ce_sum, count, aux_sum = jax.jit(lambda x: loss_terms(x, jnp.asarray(targets), jnp.asarray(mask),
+                                                          jnp.asarray(aux), mesh))(jnp.asarray(logits))
+    ref_sum, ref_count = reference_terms(logits, targets, mask)
+    assert float(ce_sum) == pytest.approx(ref_sum, rel=1e-6)
+    assert float(count) == ref_count and float(aux_sum) == pytest.approx(float(aux.sum()), rel=1e-6)
+    grad = jax.jit(jax.grad(mean_ce))(jnp.asarray(logits))
+
+    def ref_mean(x: jax.Array) -> jax.Array:
+        nll = optax.softmax_cross_entropy_with_integer_labels(x, jnp.asarray(targets))
+        return jnp.sum(nll * mask) / np.sum(mask)
+
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(jax.grad(ref_mean)(jnp.asarray(logits))), atol=1e-6)
+
+
+def test_eval_step_matches_dense_reference(runs):
+    """eval_step on the (1,4,2) model equals a plain vmap + optax cross-entropy on the same parameters."""
+    batch = runs[(1, 4, 2)]["batches"][0]
+    model = runs[(1, 4, 2)]["state"].model
+    metrics = eval_step(model, batch)  # mesh taken from the parameters
+    out = eqx.filter_jit(lambda m, t: jax.vmap(m)(t))(model, jnp.asarray(batch.tokens[:, :-1]))
+    ce_sum, count = reference_terms(np.asarray(out.logits), batch.tokens[:, 1:], batch.loss_mask)
+    assert float(metrics["tokens"]) == count
+    assert float(metrics["ce_loss"]) == pytest.approx(ce_sum / count, rel=1e-5)
+    assert float(metrics["aux_loss"]) == pytest.approx(float(jnp.mean(out.aux_loss)), rel=1e-5)
+    assert float(metrics["loss"]) == pytest.approx(
+        float(metrics["ce_loss"]) + MODEL.sparsity_weight * float(metrics["aux_loss"]), rel=1e-6)
+
+
+# -------------------------------------------------------------------------------- accumulation
+def test_grad_accumulation_equals_one_large_batch(runs):
+    """k = 2 strided microbatches on a (2,2,2) mesh give the single-batch step (loss, grad norm, params)."""
+    mesh = make_mesh(2, 2, 2)
+    state = init_train_state(MODEL, TRAIN.replace(grad_accum_steps=2), mesh, key=jax.random.key(0))
+    state, metrics = train_step(state, runs[(2, 2, 2)]["batches"][0])
+    ref = runs[(2, 2, 2)]["metrics"][0]
+    for name in ("loss", "ce_loss", "aux_loss", "grad_norm", "tokens"):
+        assert float(metrics[name]) == pytest.approx(ref[name], rel=1e-5, abs=0), name
+    for a, b in zip(host(state.model), runs[(2, 2, 2)]["params"][1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+def test_microbatches_are_strided():
+    needs_8_devices()
+    mesh = make_mesh(2, 2, 2)
+    rows = jnp.arange(16)[:, None] * jnp.ones((1, 3), jnp.int32)
+    split = jax.jit(lambda x: step_module._microbatches(x, 4, mesh))(rows)
+    assert split.shape == (4, 4, 3)
+    np.testing.assert_array_equal(np.asarray(split[1, :, 0]), [1, 5, 9, 13])
+
+
+def test_batch_must_divide_over_batch_shards_and_microbatches():
+    needs_8_devices()
+    mesh = make_mesh(8, 1, 1)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        step_module._check_batch(Batch(tokens=np.zeros((8, 17), np.int32)), mesh, 2)
+    with pytest.raises(ValueError, match="loss_mask must have shape"):
+        Batch(tokens=np.zeros((8, 17), np.int32), loss_mask=np.ones((8, 17), np.float32))
+
+
+def test_bfloat16_remat_and_accumulation_together(runs):
+    """bf16 compute with f32 parameters, remat "dots" from TrainConfig, 2 microbatches: close to float32."""
+    mesh = mesh_for((1, 1, 1))
+    config = TRAIN.replace(remat="dots", grad_accum_steps=2)
+    state = init_train_state(MODEL.replace(dtype="bfloat16"), config, mesh, key=jax.random.key(0))
+    assert state.model.config.remat == "dots"
+    state, metrics = train_step(state, runs[(1, 1, 1)]["batches"][0])
+    ref = runs[(1, 1, 1)]["metrics"][0]
+    assert float(metrics["skipped"]) == 0.0
+    assert float(metrics["ce_loss"]) == pytest.approx(ref["ce_loss"], rel=2e-2)
+    assert float(metrics["grad_norm"]) == pytest.approx(ref["grad_norm"], rel=1e-1)
+    assert {leaf.dtype for leaf in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))} == {jnp.dtype("float32")}
+
+
+# --------------------------------------------------------------------------------------- skipping
+def test_non_finite_gradients_skip_the_update(runs):
+    """A NaN in the loss mask: nothing changes except the skipped counter; the next good step applies."""
+    run = runs[(8, 1, 1)]  # the only test that steps a state of the fixture further
+    state, batch = run["state"], run["batches"][0]
+    before = host(state)
+    step, traces = int(state.step), num_train_step_traces()
+    poisoned = np.array(batch.loss_mask)
+    poisoned[3, 5] = np.nan
+    state, metrics = train_step(state, Batch(tokens=batch.tokens, loss_mask=poisoned))
+    run["state"] = state  # the old one was donated
+    assert float(metrics["skipped"]) == 1.0 and not math.isfinite(float(metrics["loss"]))
+    assert int(state.step) == step and int(state.skipped) == 1
+    after = host(state)
+    for a, b in zip(before, after, strict=True):
+        if a.ndim == 0 and a.dtype == np.int32:
+            continue  # step / skipped counters
+        np.testing.assert_array_equal(a, b)
+    state, metrics = train_step(state, batch)
+    run["state"] = state
+    assert float(metrics["skipped"]) == 0.0 and int(state.step) == step + 1 and int(state.skipped) == 1
+    assert num_train_step_traces() == traces  # same shapes: no retrace
+
+
+# ----------------------------------------------------------------------------------- collectives
+def collectives(jaxpr: jax.extend.core.Jaxpr, inside_shard_map: bool = False) -> set[tuple[str, tuple]]:
+    """(primitive, axes) of every psum/pmax found inside a shard_map, recursively."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        inside = inside_shard_map or eqn.primitive.name == "shard_map"
+        name = eqn.primitive.name
+        if inside and name.startswith(("psum", "pmax")):
+            axes = eqn.params.get("axes", eqn.params.get("axis_name"))
+            found.add((name.split("_")[0], tuple(axes) if isinstance(axes, tuple | list) else (axes,)))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    found |= collectives(sub.jaxpr, inside)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    found |= collectives(sub, inside)
+    return found
+
+
+def test_step_contains_shard_map_collectives(runs):
+    state = runs[(1, 4, 2)]["state"]
+    batch = shard_batch(runs[(1, 4, 2)]["batches"][0], state.mesh)
+    jaxpr = eqx.filter_make_jaxpr(step_module._train_step)(batch, state)[0]
+    found = collectives(jaxpr.jaxpr)
+    assert ("pmax", ("tp",)) in found  # row max of the vocab-parallel softmax
+    assert ("psum", ("tp",)) in found  # Σ exp and the target logit over vocab shards
+    assert ("psum", ("data", "fsdp")) in found  # global loss sum / token count
+
+
+# ----------------------------------------------------------------------------------------- optimizer
+def test_schedule_warmup_then_cosine_to_floor():
+    config = TrainConfig(learning_rate=1.0, min_lr_ratio=0.1, warmup_steps=4, total_steps=14)
+    lr = make_schedule(config)
+    assert [float(lr(s)) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert float(lr(4)) == pytest.approx(1.0)
+    assert float(lr(9)) == pytest.approx(0.55)
+    assert float(lr(14)) == pytest.approx(0.1) and float(lr(100)) == pytest.approx(0.1)
+    assert float(make_schedule(TrainConfig(warmup_steps=0, learning_rate=0.5))(0)) == pytest.approx(0.5)
+
+
+def test_weight_decay_only_on_matrices():
+    model = eqx.filter_eval_shape(LanguageModel, MODEL.replace(tie_embeddings=False),
+                                  key=jax.random.key(0))
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    flat = jax.tree_util.tree_flatten_with_path(decay_mask(params))[0]
+    decayed = {path_str(p) for p, leaf in flat if leaf is True}
+    assert decayed == {"head", "blocks.attn.wq", "blocks.attn.wk", "blocks.attn.wv", "blocks.attn.wo",
+                       "blocks.ffn.w_gate", "blocks.ffn.w_up", "blocks.ffn.w_down", "blocks.attn_hc.phi",
+                       "blocks.ffn_hc.phi"}
+
+
+def test_train_config_defaults_and_validation():
+    config = TrainConfig()
+    assert config.beta2 == 0.95 and config.grad_clip == 1.0 and config.grad_accum_steps == 1
+    assert TrainConfig.from_dict(config.to_dict()) == config
+    for bad in [dict(batch_size=0), dict(learning_rate=0.0), dict(min_lr_ratio=1.5), dict(beta2=1.0),
+                dict(warmup_steps=20, total_steps=10), dict(batch_size=6, grad_accum_steps=4),
+                dict(grad_clip=-1.0), dict(remat="sometimes"), dict(eps=0.0), dict(seed=-1)]:
+        with pytest.raises(ValueError, match="TrainConfig"):
+            TrainConfig(**bad)
+    # Wrong types: the conftest's jaxtyping/beartype hook may reject them first (TypeError), else we do.
+    for bad in [dict(total_steps=2.5), dict(batch_size=True), dict(learning_rate="big")]:
+        with pytest.raises((ValueError, TypeError)):
+            TrainConfig(**bad)
+
+
+def test_remat_override():
+    assert training_model_config(MODEL, TrainConfig(remat="full")).remat == "full"
+    assert training_model_config(MODEL.replace(remat="dots"), TrainConfig()).remat == "dots"
