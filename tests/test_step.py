@@ -112,6 +112,9 @@ def test_training_makes_progress_and_logs(runs):
         assert m["learning_rate"] == pytest.approx(float(schedule(step)), rel=1e-6)
         assert m["loss"] == pytest.approx(m["ce_loss"] + MODEL.sparsity_weight * m["aux_loss"], rel=1e-6)
         assert 0.0 < m["aux_loss"] <= 1.0 and m["grad_norm"] > 0
+        scale_weights = [m[f"scale_weight_{level}"] for level in range(MODEL.num_scales)]
+        assert sum(scale_weights) == pytest.approx(1.0, abs=1e-5) and min(scale_weights) > 0
+        assert 0.0 < m["res_diag"] <= 1.0
     assert metrics[0]["ce_loss"] == pytest.approx(math.log(MODEL.vocab_size), rel=0.05)
     assert metrics[0]["learning_rate"] == pytest.approx(TRAIN.learning_rate / 2)  # warmup (step+1)/2
 

@@ -109,10 +109,15 @@ def _mask_of(batch: Batch) -> jax.Array:
 
 def forward_terms(model: LanguageModel, inputs: Int[Array, "batch seq"], targets: Int[Array, "batch seq"],
                   mask: Float[Array, "batch seq"], mesh: Mesh
-                  ) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
-    """Model forward on a (micro)batch → global (Σ mask·NLL, Σ mask, Σ aux)."""
+                  ) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""], Float[Array, "diagnostics"]]:
+    """Model forward on a (micro)batch → global (Σ mask·NLL, Σ mask, Σ aux, diagnostics).
+
+    diagnostics [L + 1]: batch means of the aggregation weight of every scale, then of diag(H_res).
+    """
     out = jax.vmap(model)(inputs)
-    return loss_terms(out.logits, targets, mask, out.aux_loss, mesh)
+    ce_sum, count, aux_sum = loss_terms(out.logits, targets, mask, out.aux_loss, mesh)
+    diagnostics = jnp.concatenate([jnp.mean(out.scale_weights, axis=0), jnp.mean(out.res_diag)[None]])
+    return ce_sum, count, aux_sum, jax.lax.stop_gradient(diagnostics)
 
 
 # --------------------------------------------------------------------------------------- train step
@@ -154,21 +159,22 @@ def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
     params, static = eqx.partition(state.model, eqx.is_inexact_array)
 
     def microbatch(carry: tuple[PyTree, jax.Array, jax.Array], xs: tuple[jax.Array, ...]
-                   ) -> tuple[tuple[PyTree, jax.Array, jax.Array], None]:
+                   ) -> tuple[tuple[PyTree, jax.Array, jax.Array], jax.Array]:
         grad_acc, ce_acc, aux_acc = carry
 
-        def objective(p: PyTree) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            ce_sum, _, aux_sum = forward_terms(eqx.combine(p, static), *xs, mesh)
+        def objective(p: PyTree) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+            ce_sum, _, aux_sum, diagnostics = forward_terms(eqx.combine(p, static), *xs, mesh)
             aux_mean = aux_sum / xs[0].shape[0]
-            return ce_sum / denom + weight * aux_mean / k, (ce_sum, aux_mean)
+            return ce_sum / denom + weight * aux_mean / k, (ce_sum, aux_mean, diagnostics)
 
-        (_, (ce_sum, aux_mean)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        (_, (ce_sum, aux_mean, diagnostics)), grads = jax.value_and_grad(objective, has_aux=True)(params)
         grad_acc = jax.tree.map(jnp.add, grad_acc, constrain(grads, mesh))
-        return (grad_acc, ce_acc + ce_sum, aux_acc + aux_mean), None
+        return (grad_acc, ce_acc + ce_sum, aux_acc + aux_mean), diagnostics
 
     zeros = constrain(jax.tree.map(jnp.zeros_like, params), mesh)
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads, ce_sum, aux_sum), _ = jax.lax.scan(microbatch, init, (inputs, targets, masks))
+    (grads, ce_sum, aux_sum), diagnostics = jax.lax.scan(microbatch, init, (inputs, targets, masks))
+    diagnostics = jnp.mean(diagnostics, axis=0)
     ce_loss = ce_sum / denom
     aux_loss = aux_sum / k
     loss = ce_loss + weight * aux_loss
@@ -197,6 +203,8 @@ def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
         "learning_rate": learning_rate,
         "tokens": count,
         "skipped": skipped.astype(jnp.float32),
+        **{f"scale_weight_{level}": diagnostics[level] for level in range(diagnostics.shape[0] - 1)},
+        "res_diag": diagnostics[-1],
     }
     return new_state, metrics
 
@@ -209,7 +217,8 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
 
     Metrics (replicated float32 scalars): loss (= ce_loss + sparsity_weight·aux_loss), ce_loss (token-
     weighted mean over the global batch), aux_loss (batch mean), grad_norm (before clipping),
-    learning_rate (used by this step), tokens (Σ loss_mask), skipped (1 if the update was skipped).
+    learning_rate (used by this step), tokens (Σ loss_mask), skipped (1 if the update was skipped),
+    scale_weight_<l> (mean aggregation weight of scale l) and res_diag (mean diagonal of H_res).
     Host arrays in ``batch`` are placed with :func:`nash_mhc.sharding.shard_batch`.
     """
     _check_batch(batch, state.mesh, state.train_config.grad_accum_steps)
@@ -226,7 +235,7 @@ def num_train_step_traces() -> int:
 def _eval_step(model: LanguageModel, batch: Batch, mesh: Mesh) -> Metrics:
     tokens = jax.lax.with_sharding_constraint(jnp.asarray(batch.tokens), NamedSharding(mesh, batch_spec(2)))
     mask = jax.lax.with_sharding_constraint(_mask_of(batch), NamedSharding(mesh, batch_spec(2)))
-    ce_sum, count, aux_sum = forward_terms(model, tokens[:, :-1], tokens[:, 1:], mask, mesh)
+    ce_sum, count, aux_sum, _ = forward_terms(model, tokens[:, :-1], tokens[:, 1:], mask, mesh)
     ce_loss = ce_sum / jnp.maximum(count, 1.0)
     aux_loss = aux_sum / tokens.shape[0]
     loss = ce_loss + model.config.sparsity_weight * aux_loss
