@@ -23,3 +23,27 @@ def test_quickstart_builds_runs_and_learns():
     losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step")]
     assert "logits (4, 64, 384)" in out
     assert losses[-1] < losses[0] - 1.0
+
+
+def test_custom_training_loop_learns():
+    out = run_example("custom_training_loop.py", "--steps", "12")
+    losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step")]
+    assert losses[-1] < losses[0] - 0.5 and "eval loss" in out
+
+
+def test_sharded_training_prints_the_memory_table():
+    out = run_example("sharded_training.py", "--steps", "2")  # sets 8 fake devices itself
+    assert "mesh data=2 fsdp=2 tp=2" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "%" in line]
+    assert len(rows) == 8 and all(row[-1] == "25.8%" for row in rows)
+    assert "step 2: loss" in out
+
+
+def test_stability_study_writes_its_figure(tmp_path):
+    figure = tmp_path / "stability.png"
+    out = run_example("stability_study.py", "--steps", "6", "--layers", "3", "--out", str(figure))
+    assert figure.stat().st_size > 10_000 and figure.read_bytes()[:4] == b"\x89PNG"
+    gains = {line.split(":")[0].strip(): float(line.split("max over depth")[1]) for line in out.splitlines()
+             if "max over depth" in line}
+    assert set(gains) == {"plain", "hc", "mhc"}
+    assert gains["plain"] == 1.0 and abs(gains["mhc"] - 1.0) < 0.1
