@@ -4,14 +4,14 @@ Layout: ``<dir>/<step>/state`` (every array leaf of the TrainState, keyed by its
 ``<dir>/<step>/meta`` (JSON). Saves are asynchronous; Orbax writes into a temporary directory and renames it
 when complete, so a process killed mid-save leaves the previous checkpoint as the latest one. Restores place
 every array with the sharding of the *current* mesh, so a run saved on one mesh resumes on any other.
-Every process must call save/restore (Orbax coordinates the hosts).
+Every process must call save/restore (Orbax coordinates the hosts). Directories may be local paths or bucket
+URIs (``gs://bucket/run``): they go through :mod:`nash_mhc.paths` (etils.epath), as Orbax's own I/O does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -19,6 +19,7 @@ import jax
 import orbax.checkpoint as ocp
 from jaxtyping import PyTree
 
+from nash_mhc import paths
 from nash_mhc.config import ModelConfig
 
 
@@ -57,9 +58,9 @@ def config_differences(saved: dict[str, Any], current: ModelConfig) -> list[str]
 class Checkpointer:
     """Thin wrapper around ``ocp.CheckpointManager`` for TrainState + JSON metadata."""
 
-    def __init__(self, directory: str | Path, *, max_to_keep: int | None = 3, async_save: bool = True,
+    def __init__(self, directory: paths.PathLike, *, max_to_keep: int | None = 3, async_save: bool = True,
                  read_only: bool = False):
-        self.directory = Path(directory).absolute()
+        self.directory = paths.as_path(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
                                                create=not read_only, read_only=read_only,
                                                cleanup_tmp_directories=not read_only)
@@ -109,9 +110,9 @@ class Checkpointer:
         self.manager.close()
 
 
-def find_checkpoint(path: str | Path) -> tuple[Path, int | None]:
+def find_checkpoint(path: paths.PathLike) -> tuple[paths.Path, int | None]:
     """Resolve ``--resume-from``: a run directory (latest step) or one step directory inside it."""
-    path = Path(path)
+    path = paths.as_path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
     if path.name.isdigit() and (path / "state").exists():
@@ -119,5 +120,5 @@ def find_checkpoint(path: str | Path) -> tuple[Path, int | None]:
     return path, None
 
 
-def dump_json(path: Path, data: dict[str, Any]) -> None:
+def dump_json(path: paths.Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,13 +1,19 @@
-"""Run logging on process 0: tqdm progress bar, ``metrics.jsonl`` and TensorBoard scalars."""
+"""Run logging on process 0: tqdm progress bar, ``metrics.jsonl`` and TensorBoard scalars.
+
+The directory may be a bucket URI (``gs://bucket/run``): both files are then written into a local
+:class:`nash_mhc.paths.Mirror` (an earlier ``metrics.jsonl`` is downloaded first, so a resumed run appends)
+and uploaded whole every ``sync_interval_s`` seconds and at close, since object stores cannot append.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from nash_mhc import paths
 
 
 class RunLogger:
@@ -16,20 +22,22 @@ class RunLogger:
     Disabled (every method a no-op) on processes other than 0, so a multi-host run writes one log.
     """
 
-    def __init__(self, directory: str | Path, *, enabled: bool, total_steps: int, start_step: int,
-                 progress: bool = True):
+    def __init__(self, directory: paths.PathLike, *, enabled: bool, total_steps: int, start_step: int,
+                 progress: bool = True, sync_interval_s: float = 60.0):
         self.enabled = enabled
-        self.directory = Path(directory)
+        self.directory = paths.as_path(directory)
         self._bar = None
         self._jsonl = None
         self._tb = None
+        self._mirror = None
         if not enabled:
             return
         from tensorboardX import SummaryWriter
 
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (self.directory / "metrics.jsonl").open("a", buffering=1)
-        self._tb = SummaryWriter(logdir=str(self.directory), flush_secs=10)
+        # Local directory: the mirror is the directory itself. Bucket: a local copy, uploaded by _sync.
+        self._mirror = paths.Mirror(directory, pull=("metrics.jsonl",), interval_s=sync_interval_s)
+        self._jsonl = (self._mirror.local / "metrics.jsonl").open("a", buffering=1)
+        self._tb = SummaryWriter(logdir=str(self._mirror.local), flush_secs=10)
         if progress:
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                              mininterval=1.0)
@@ -51,6 +59,13 @@ class RunLogger:
             if key != "step" and isinstance(value, float) and math.isfinite(value):
                 group = "eval" if key.startswith("eval") else "train"
                 self._tb.add_scalar(key if "/" in key else f"{group}/{key}", value, step)
+        self._sync()
+
+    def _sync(self) -> None:
+        """Upload the files to a bucket directory when due (nothing to do for a local directory)."""
+        if self._mirror is not None and self._mirror.due():
+            self._tb.flush()
+            self._mirror.sync(force=True)
 
     def scalar(self, name: str, value: float, step: int) -> None:
         if self.enabled:
@@ -77,3 +92,5 @@ class RunLogger:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+        if self._mirror is not None:
+            self._mirror.close()  # final upload of a bucket directory
