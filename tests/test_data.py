@@ -74,11 +74,12 @@ def test_byte_tokenizer_round_trip_and_specials():
     assert tok.decode(np.array([0xFF], dtype=np.int32)) == "\ufffd"  # invalid UTF-8 is replaced, not raised
 
 
-def test_unknown_tokenizer_is_a_one_line_value_error():
+def test_unreachable_hub_tokenizer_is_a_one_line_value_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never a network call, whatever the machine
     with pytest.raises(ValueError) as excinfo:
         get_tokenizer("gpt2")
     message = one_line(excinfo)
-    assert "'gpt2'" in message and "only the 'bytes' tokenizer is available offline" in message
+    assert "'gpt2'" in message and "cannot be reached offline" in message and "--tokenizer bytes" in message
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -123,7 +124,8 @@ def test_synthetic_source_is_deterministic():
     np.testing.assert_array_equal(train.batch_at(2, global_batch=8), again.batch_at(2, global_batch=8))
 
 
-def test_unknown_dataset_and_split_are_one_line_value_errors():
+def test_unknown_dataset_and_split_are_one_line_value_errors(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError) as excinfo:
         make_datasets("HuggingFaceFW/fineweb-edu", "bytes", seq_len=64, seed=0)
     message = one_line(excinfo)

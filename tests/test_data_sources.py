@@ -1,0 +1,530 @@
+"""Data sources beyond the default corpus: local files, ``save_to_disk`` datasets, prepared shards, Hugging Face
+tokenizers, the hub (offline), exact resume, per-host rows, the error messages, and training from each.
+
+Everything runs offline: the hub is forced offline (``HF_HUB_OFFLINE=1``) wherever a hub id appears, and the
+tokenizer is a small byte-level BPE trained here with ``tokenizers`` and saved as ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from jaxtyping import install_import_hook
+
+if "nash_mhc.data" not in sys.modules:
+    with install_import_hook("nash_mhc.data", "beartype.beartype"):
+        import nash_mhc.data  # noqa: F401
+
+from nash_mhc.data import (  # noqa: E402
+    ByteTokenizer,
+    DiskDatasetSource,
+    FileSource,
+    HFTokenizer,
+    HubSource,
+    PackedDataset,
+    ShardedDataset,
+    build_token_stream,
+    get_tokenizer,
+    load_source,
+    make_datasets,
+    pipeline,
+    prepare,
+    shards,
+    sources,
+)
+
+SEQ = 32
+WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "quickly", "slowly", "big", "small",
+         "red", "blue", "tree", "house", "river", "stone", "bird", "sings", "and", "then", "later", "near", "far"]
+
+
+def one_line(excinfo: pytest.ExceptionInfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict[str, Path]:
+    """A generated corpus as .jsonl, .parquet (field ``content``), a save_to_disk DatasetDict, a plain saved
+    Dataset and prepared shards, plus the BPE tokenizer.json trained on it."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
+                 for _ in range(400)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(sentences, trainer)
+    tok.save(str(root / "tokenizer.json"))
+    docs = [" ".join(rng.choice(sentences) for _ in range(rng.randint(3, 12))) for _ in range(500)]
+    with open(root / "corpus.jsonl", "w") as f:
+        for i, doc in enumerate(docs):
+            f.write(json.dumps({"id": i, "text": doc}) + "\n")
+    pq.write_table(pa.table({"content": docs, "n": list(range(len(docs)))}), root / "corpus.parquet",
+                   row_group_size=64)
+    datasets.disable_progress_bars()
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs[:450]}),
+                          "validation": datasets.Dataset.from_dict({"text": docs[450:]})}
+                         ).save_to_disk(str(root / "saved_dict"))
+    datasets.Dataset.from_dict({"text": docs, "n": list(range(len(docs)))}).save_to_disk(str(root / "saved"))
+    code = prepare.main(["--dataset", str(root / "corpus.jsonl"), "--tokenizer", str(root / "tokenizer.json"),
+                         "--out", str(root / "shards"), "--shard-tokens", "3000", "--num-workers", "2",
+                         "--no-progress"])
+    assert code == 0
+    return {"root": root, "tokenizer": root / "tokenizer.json", "jsonl": root / "corpus.jsonl",
+            "parquet": root / "corpus.parquet", "saved_dict": root / "saved_dict", "saved": root / "saved",
+            "shards": root / "shards", "docs": docs}  # type: ignore[dict-item]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+def test_hf_tokenizer_from_file_and_directory(corpus):
+    tok = get_tokenizer(str(corpus["tokenizer"]))
+    base = tok.backend.get_vocab_size()
+    assert isinstance(tok, HFTokenizer) and tok.base_vocab_size == base > 300
+    assert tok.eos_id == tok.backend.token_to_id("<|endoftext|>")
+    assert tok.pad_id == base and tok.vocab_size == base + 1 and tok.pad_id != tok.eos_id  # PAD appended
+    assert tok.fingerprint.startswith("sha256:") and get_tokenizer(str(corpus["tokenizer"])) is tok
+    text = "The cat sat on the mat. Bird sings!"
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32 and ids.ndim == 1 and ids.max() < tok.vocab_size
+    assert tok.decode(ids) == text
+    assert tok.decode(np.concatenate([ids, [tok.eos_id, tok.pad_id]])) == text  # specials dropped
+    assert [a.tolist() for a in tok.encode_batch([text, "dog"])] == [ids.tolist(), tok.encode("dog").tolist()]
+    # A save_pretrained-style directory: tokenizer.json plus tokenizer_config.json naming the specials.
+    directory = corpus["root"] / "tok_dir"
+    directory.mkdir(exist_ok=True)
+    (directory / "tokenizer.json").write_bytes(corpus["tokenizer"].read_bytes())
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                                 "pad_token": "<|endoftext|>"}))
+    from_dir = get_tokenizer(str(directory))
+    assert from_dir.fingerprint == tok.fingerprint and (from_dir.eos_id, from_dir.pad_id) == (tok.eos_id, base)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sources
+
+
+def all_docs(source_train, source_eval) -> tuple[list[str], list[str]]:
+    return list(source_train.documents()), list(source_eval.documents())
+
+
+def test_local_files_split_deterministically_into_train_and_eval(corpus):
+    docs = corpus["docs"]
+    for path, field in ((corpus["jsonl"], "text"), (corpus["parquet"], "content")):
+        train, held_out = all_docs(load_source(str(path), "train", text_field=field),
+                                   load_source(str(path), "eval", seed=5, text_field=field))
+        assert isinstance(load_source(str(path), "train", text_field=field), FileSource)
+        assert 1 <= len(held_out) < 0.05 * len(docs) and len(train) + len(held_out) == len(docs)
+        assert sorted(train + held_out) == sorted(docs)
+        assert [d for d in docs if d not in set(held_out)] == train  # file order kept
+    # A directory: every supported file, recursively, sorted by relative path; hidden and other files skipped.
+    directory = corpus["root"] / "mixed"
+    directory.mkdir()
+    (directory / "a.txt").write_text("first text file\nline two\n")
+    (directory / ".hidden.txt").write_text("never read")
+    (directory / "sub").mkdir()
+    (directory / "sub" / "b.json").write_text(json.dumps([{"text": "json one"}, {"text": "json two"}]))
+    (directory / "sub" / "c.jsonl").write_text('{"text": "line one"}\n\n{"text": "line two"}\n')
+    (directory / "notes.md").write_text("ignored: not a supported suffix")
+    source = load_source(str(directory), "train")
+    assert source.files() == ["a.txt", "sub/b.json", "sub/c.jsonl"]
+    train, held_out = all_docs(source, load_source(str(directory), "eval"))
+    assert len(held_out) >= 1 and sorted(train + held_out) == sorted(
+        ["first text file\nline two\n", "json one", "json two", "line one", "line two"])
+    assert list(source.document_bytes()) == [d.encode() for d in train]
+
+
+def test_single_text_file_is_cut_at_a_line_break(tmp_path):
+    text = "".join(f"line {i} of a single long document\n" for i in range(400))
+    (tmp_path / "book.txt").write_text(text)
+    train, held_out = all_docs(load_source(str(tmp_path / "book.txt"), "train"),
+                               load_source(str(tmp_path / "book.txt"), "eval"))
+    assert len(train) == len(held_out) == 1 and train[0] + held_out[0] == text
+    assert train[0].endswith("\n") and 0 < len(held_out[0]) < 0.03 * len(text)
+
+
+def test_saved_datasets_use_their_validation_split_or_a_hash_split(corpus):
+    docs = corpus["docs"]
+    source = load_source(str(corpus["saved_dict"]), "train")
+    assert isinstance(source, DiskDatasetSource)
+    train, held_out = all_docs(source, load_source(str(corpus["saved_dict"]), "eval"))
+    assert train == docs[:450] and held_out == docs[450:]
+    train, held_out = all_docs(load_source(str(corpus["saved"]), "train"), load_source(str(corpus["saved"]), "eval"))
+    assert 1 <= len(held_out) < 0.05 * len(docs) and sorted(train + held_out) == sorted(docs)
+    # --split picks another split of a DatasetDict; unknown splits are listed.
+    train, held_out = all_docs(load_source(str(corpus["saved_dict"]), "train", dataset_split="validation"),
+                               load_source(str(corpus["saved_dict"]), "eval", dataset_split="validation"))
+    assert held_out and sorted(train + held_out) == sorted(docs[450:])  # no other eval split: a hash split
+    with pytest.raises(ValueError) as excinfo:
+        load_source(str(corpus["saved_dict"]), "train", dataset_split="test")
+    assert "no split 'test'; splits: train, validation" in one_line(excinfo)
+
+
+def test_hub_source_streams_a_bounded_prefix_and_holds_out_its_head(monkeypatch):
+    """The hub code path with ``datasets`` stubbed: streaming when reachable, the local cache when offline."""
+    import datasets
+
+    docs = [f"Document number {i}. " * 5 for i in range(400)]
+    calls = []
+
+    def fake_load_dataset(repo, name=None, split=None, streaming=False, **kwargs):
+        calls.append((repo, name, split, streaming))
+        if streaming:
+            return datasets.Dataset.from_dict({"text": docs}).to_iterable_dataset()
+        return datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs})})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(datasets, "get_dataset_split_names", lambda repo, name=None, **kw: ["train"])
+    sources._LOADED.clear()
+    monkeypatch.setattr(sources.hub, "hub_reachable", lambda timeout=3.0: True)
+    streamed = load_source("org/corpus", "train", dataset_name="cfg", max_stream_tokens=5_000)
+    assert isinstance(streamed, HubSource) and streamed.max_tokens == 5_000
+    assert list(load_source("org/corpus", "eval", dataset_name="cfg").documents()) == docs[:200]
+    assert list(streamed.documents()) == docs[200:]
+    stream = build_token_stream(streamed, ByteTokenizer())
+    assert stream.size == 5_000 and calls[-1] == ("org/corpus", "cfg", "train", True)
+    expected = np.frombuffer("".join(d + "\x00" for d in docs[200:]).encode(), np.uint8).astype(np.uint16)[:5_000]
+    expected = np.where(expected == 0, ByteTokenizer.eos_id, expected)
+    np.testing.assert_array_equal(stream, expected)
+    # Offline: the same documents from the local cache (here: the stub), never the network.
+    sources._LOADED.clear()
+    monkeypatch.setattr(sources.hub, "hub_reachable", lambda timeout=3.0: False)
+    offline = load_source("org/corpus", "train", dataset_name="cfg", max_stream_tokens=5_000)
+    assert calls[-1][3] is False
+    np.testing.assert_array_equal(build_token_stream(offline, ByteTokenizer()), stream)
+    sources._LOADED.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenising, shards, determinism
+
+
+def test_stream_does_not_depend_on_workers_or_chunking(corpus, monkeypatch):
+    tok = get_tokenizer(str(corpus["tokenizer"]))
+    source = load_source(str(corpus["jsonl"]), "train")
+    reference = build_token_stream(source, tok, num_workers=1)
+    assert reference.dtype == np.uint16 and int((reference == tok.eos_id).sum()) == len(list(source.documents()))
+    monkeypatch.setattr(pipeline, "CHUNK_CHARS", 3_000)
+    np.testing.assert_array_equal(build_token_stream(source, tok, num_workers=3), reference)
+    # Long documents are tokenised in pieces cut after a line break; EOS only after the last piece.
+    monkeypatch.setattr(pipeline, "PIECE_CHARS", 100)
+    long_doc = "".join(f"row {i} of the table\n" for i in range(50))
+    assert all(len(p) <= 100 for p in pipeline._pieces(long_doc)) and "".join(pipeline._pieces(long_doc)) == long_doc
+    bytes_stream = build_token_stream(_ListSource((long_doc,)), ByteTokenizer(), num_workers=2)
+    assert bytes_stream.tolist() == list(long_doc.encode()) + [ByteTokenizer.eos_id]
+
+
+class _ListSource:
+    def __init__(self, docs: tuple[str, ...]) -> None:
+        self.docs, self.name, self.split = docs, "list", "train"
+
+    def documents(self):
+        return iter(self.docs)
+
+
+def test_prepared_shards_index_and_identical_batches(corpus):
+    tok = get_tokenizer(str(corpus["tokenizer"]))
+    index = json.loads((corpus["shards"] / "index.json").read_text())
+    assert index["format"] == "nash_mhc-shards" and index["dtype"] == "uint16" and index["shard_tokens"] == 3000
+    assert index["tokenizer"]["fingerprint"] == tok.fingerprint and index["tokenizer"]["vocab_size"] == tok.vocab_size
+    train_entry = index["splits"]["train"]
+    assert [s["num_tokens"] for s in train_entry["shards"][:-1]] == [3000] * (len(train_entry["shards"]) - 1)
+    assert sum(s["num_tokens"] for s in train_entry["shards"]) == train_entry["num_tokens"]
+    for s in train_entry["shards"]:
+        assert (corpus["shards"] / s["file"]).stat().st_size == 2 * s["num_tokens"]
+    assert train_entry["num_documents"] + index["splits"]["eval"]["num_documents"] == len(corpus["docs"])
+    assert train_entry["max_token_id"] < tok.vocab_size
+
+    prepared, prepared_eval, _ = make_datasets(str(corpus["shards"]), str(corpus["tokenizer"]), SEQ, 3)
+    fly, fly_eval, _ = make_datasets(str(corpus["jsonl"]), str(corpus["tokenizer"]), SEQ, 3, num_workers=2)
+    assert isinstance(prepared, ShardedDataset) and type(fly) is PackedDataset
+    assert (prepared.num_tokens, prepared.num_windows) == (fly.num_tokens, fly.num_windows)
+    for step in (0, 1, 7, 40, 500):  # 500 is several epochs in
+        np.testing.assert_array_equal(prepared.batch_at(step, global_batch=8), fly.batch_at(step, global_batch=8))
+        np.testing.assert_array_equal(prepared_eval.batch_at(step, global_batch=2),
+                                      fly_eval.batch_at(step, global_batch=2))
+    # Random access by memory map: a batch opens only the shards it touches.
+    fresh, _, _ = make_datasets(str(corpus["shards"]), str(corpus["tokenizer"]), SEQ, 3)
+    fresh.batch_at(0, global_batch=1)
+    opened = [m for m in fresh._maps if m is not None]
+    assert 1 <= len(opened) <= 2 < len(fresh._maps) and all(isinstance(m, np.memmap) for m in opened)
+
+
+def test_resume_mid_shard_is_bit_identical(corpus):
+    uninterrupted, _, _ = make_datasets(str(corpus["shards"]), str(corpus["tokenizer"]), SEQ, 11)
+    reference = [b for _, b in itertools.islice(uninterrupted.batches(0, global_batch=8), 60)]
+    window = SEQ + 1
+    starts = uninterrupted.window_indices(23, global_batch=8) * window
+    assert any(s % 3000 and s // 3000 == (s + window - 1) // 3000 for s in starts)  # step 23 is mid-shard
+    # A new process: nothing but the step carries over.
+    shards_source = load_source(str(corpus["shards"]), "train")
+    resumed = shards_source.packed_dataset(get_tokenizer(str(corpus["tokenizer"])), SEQ, seed=11)
+    for step, batch in itertools.islice(resumed.batches(23, global_batch=8), 60 - 23):
+        np.testing.assert_array_equal(batch, reference[step])
+    # Windows that straddle two shard files are read whole.
+    straddling = [w for w in range(uninterrupted.num_windows) if (w * window) // 3000 != ((w + 1) * window - 1) // 3000]
+    assert straddling
+    stream = np.concatenate([np.fromfile(corpus["shards"] / s["file"], np.uint16) for s in
+                             json.loads((corpus["shards"] / "index.json").read_text())["splits"]["train"]["shards"]])
+    np.testing.assert_array_equal(resumed.read_windows(np.array(straddling)),
+                                  stream[: uninterrupted.num_windows * window].reshape(-1, window)[straddling])
+
+
+@pytest.mark.parametrize("kind", ["shards", "jsonl"])
+def test_two_hosts_get_disjoint_rows_that_cover_the_global_batch(corpus, kind):
+    dataset, _, _ = make_datasets(str(corpus[kind]), str(corpus["tokenizer"]), SEQ, 1)
+    for step in (0, 13):
+        full = dataset.batch_at(step, global_batch=8)
+        hosts = [dataset.batch_at(step, global_batch=8, process_index=p, process_count=2) for p in range(2)]
+        np.testing.assert_array_equal(np.concatenate(hosts), full)
+        rows = [set(dataset.window_indices(step, global_batch=8, process_index=p, process_count=2)) for p in range(2)]
+        assert not rows[0] & rows[1] and len(rows[0] | rows[1]) == 8
+
+
+def test_uint32_shards_for_large_vocabularies(tmp_path):
+    assert pipeline.stream_dtype(65_536) == np.uint16 and pipeline.stream_dtype(65_537) == np.uint32
+    writer = shards.ShardWriter(tmp_path, "train", np.dtype(np.uint32), 7)
+    ids = np.arange(70_000, 70_050, dtype=np.int64)
+    writer.write(ids[:20], 1)
+    writer.write(ids[20:], 1)
+    entry = writer.close()
+    assert [s["num_tokens"] for s in entry["shards"]] == [7] * 7 + [1] and entry["max_token_id"] == 70_049
+    data = ShardedDataset([tmp_path / s["file"] for s in entry["shards"]], [s["num_tokens"] for s in entry["shards"]],
+                          np.dtype(np.uint32), 4, vocab_size=80_000, shuffle=False)
+    np.testing.assert_array_equal(data.batch_at(1, global_batch=3), ids[15:30].reshape(3, 5))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors: one line each
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    sources._LOADED.clear()
+
+
+def test_hub_ids_offline_name_the_alternatives(offline):
+    with pytest.raises(ValueError) as excinfo:
+        make_datasets("HuggingFaceTB/smollm-corpus", "bytes", SEQ, 0, dataset_name="cosmopedia-v2")
+    message = one_line(excinfo)
+    assert message.startswith("dataset 'HuggingFaceTB/smollm-corpus' cannot be reached offline; use --dataset stdlib")
+    assert "save_to_disk directory" in message and "python -m nash_mhc.data.prepare" in message
+    with pytest.raises(ValueError) as excinfo:
+        get_tokenizer("HuggingFaceTB/smollm-360M")
+    message = one_line(excinfo)
+    assert "'HuggingFaceTB/smollm-360M' cannot be reached offline" in message and "tokenizer.json" in message
+
+
+def test_missing_paths(tmp_path):
+    with pytest.raises(ValueError) as excinfo:
+        make_datasets(str(tmp_path / "nope.jsonl"), "bytes", SEQ, 0)
+    assert "does not exist" in one_line(excinfo) and "nope.jsonl" in str(excinfo.value)
+    with pytest.raises(ValueError) as excinfo:
+        get_tokenizer(str(tmp_path / "missing" / "tokenizer.json"))
+    assert "tokenizer path" in one_line(excinfo) and "does not exist" in str(excinfo.value)
+    (tmp_path / "notes.md").write_text("x")
+    with pytest.raises(ValueError, match="no .txt, .jsonl, .json, .parquet files"):
+        load_source(str(tmp_path), "train")
+
+
+def test_missing_text_field_lists_the_fields(corpus, tmp_path):
+    for path in (corpus["jsonl"], corpus["parquet"]):
+        with pytest.raises(ValueError) as excinfo:
+            load_source(str(path), "train", text_field="body")
+        message = one_line(excinfo)
+        assert "text field 'body' not found" in message and "--text-field" in message
+        assert ("fields: id, text" if path.suffix == ".jsonl" else "fields: content, n") in message
+    with pytest.raises(ValueError) as excinfo:
+        load_source(str(corpus["saved"]), "train", text_field="body")
+    assert "text field 'body' not found" in one_line(excinfo) and "fields: text, n" in str(excinfo.value)
+    (tmp_path / "mixed.jsonl").write_text('{"text": "ok"}\n{"title": "no text here"}\n')
+    with pytest.raises(ValueError) as excinfo:
+        list(load_source(str(tmp_path / "mixed.jsonl"), "train").documents())
+    assert "record 2" in one_line(excinfo) and "fields: title" in str(excinfo.value)
+
+
+def test_token_ids_outside_the_vocabulary(corpus, tmp_path):
+    class SmallVocab(ByteTokenizer):
+        name = fingerprint = "small"
+        vocab_size = 100
+
+    with pytest.raises(ValueError) as excinfo:
+        build_token_stream(load_source(str(corpus["jsonl"]), "train"), SmallVocab())
+    assert "token id " in one_line(excinfo) and ">= vocab size 100" in str(excinfo.value)
+    # Shards whose index records an id the tokenizer does not have.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    np.array([1, 2, 300, 257] * 40, np.uint16).tofile(bad / "train-00000.bin")
+    np.array([1, 257] * 40, np.uint16).tofile(bad / "eval-00000.bin")
+    index = {"format": "nash_mhc-shards", "version": 1, "dtype": "uint16", "shard_tokens": 1000,
+             "tokenizer": shards.tokenizer_record(ByteTokenizer()),
+             "splits": {"train": {"num_tokens": 160, "num_documents": 40, "max_token_id": 300,
+                                  "shards": [{"file": "train-00000.bin", "num_tokens": 160}]},
+                        "eval": {"num_tokens": 80, "num_documents": 40, "max_token_id": 257,
+                                 "shards": [{"file": "eval-00000.bin", "num_tokens": 80}]}}}
+    (bad / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError) as excinfo:
+        make_datasets(str(bad), "bytes", 7, 0)
+    assert "token id 300 >= vocab size 259" in one_line(excinfo)
+    # An index that hides it: caught when the batch is read.
+    index["splits"]["train"]["max_token_id"] = 257
+    (bad / "index.json").write_text(json.dumps(index))
+    train, _, _ = make_datasets(str(bad), "bytes", 7, 0)
+    with pytest.raises(ValueError, match="token id 300 >= vocab size 259"):
+        train.batch_at(0, global_batch=20)
+
+
+def test_shards_of_another_tokenizer(corpus):
+    with pytest.raises(ValueError) as excinfo:
+        make_datasets(str(corpus["shards"]), "bytes", SEQ, 0)
+    message = one_line(excinfo)
+    assert "do not match the tokenizer" in message and str(corpus["tokenizer"]) in message and "bytes" in message
+
+
+def test_empty_corpora(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "empties").mkdir()
+    (tmp_path / "empties" / "a.txt").write_text("")
+    for name in ("empty.jsonl", "empties"):
+        with pytest.raises(ValueError) as excinfo:
+            make_datasets(str(tmp_path / name), "bytes", SEQ, 0)
+        assert "is empty" in one_line(excinfo)
+    before = snapshot(tmp_path)
+    assert prepare.main(["--dataset", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "out"),
+                         "--no-progress"]) == 2
+    assert snapshot(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_prepare_refuses_a_non_empty_output(corpus, capsys):
+    before = snapshot(corpus["shards"])
+    code = prepare.main(["--dataset", str(corpus["jsonl"]), "--out", str(corpus["shards"]), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "not an empty directory" in err and len(err.strip().splitlines()) == 1
+    assert snapshot(corpus["shards"]) == before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The training program, in-process (8 fake CPU devices; one compile shared by every run: same tokenizer)
+
+
+@pytest.fixture(scope="module")
+def train_main(tmp_path_factory):
+    from nash_mhc.train import main
+
+    cache = str(tmp_path_factory.mktemp("xla"))
+
+    def run(*argv: str) -> int:
+        return main(["--model", "tiny", "--batch-size", "8", "--no-progress", "--log-interval", "1",
+                     "--compile-cache-dir", cache, "--learning-rate", "3e-3", "--warmup-steps", "1", *argv])
+
+    return run
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, train_main, tmp_path_factory) -> dict[str, Path]:
+    """Two steps (of a 4-step schedule) from each kind of source; jsonl runs all 4 as the reference."""
+    root = tmp_path_factory.mktemp("runs")
+    tok = str(corpus["tokenizer"])
+    runs = {
+        "jsonl": ["--dataset", str(corpus["jsonl"]), "--num-workers", "2", "--total-steps", "4"],
+        "parquet": ["--dataset", str(corpus["parquet"]), "--text-field", "content"],
+        "saved": ["--dataset", str(corpus["saved_dict"]), "--split", "train", "--eval-interval", "2",
+                  "--eval-steps", "1"],
+        "shards": ["--dataset", str(corpus["shards"]), "--worker-buffer-size", "3"],
+    }
+    for name, argv in runs.items():
+        code = train_main("--tokenizer", tok, "--total-steps", "2", "--lr-schedule-steps", "4", *argv,
+                          "--checkpoint-dir", str(root / name))
+        assert code == 0, name
+    return {name: root / name for name in runs}
+
+
+def test_training_from_jsonl_parquet_saved_dataset_and_shards(corpus, trained):
+    tok = str(corpus["tokenizer"])
+    for name, run_dir in trained.items():
+        curve = losses(run_dir)
+        assert sorted(curve) == ([1, 2, 3, 4] if name == "jsonl" else [1, 2]), name
+        assert all(np.isfinite(v) for v in curve.values()), name
+        config = json.loads((run_dir / "config.json").read_text())
+        assert config["model_config"]["vocab_size"] == get_tokenizer(tok).vocab_size
+        assert config["run_config"]["tokenizer"] == tok
+    jsonl = losses(trained["jsonl"])
+    assert losses(trained["shards"]) == {1: jsonl[1], 2: jsonl[2]}  # the same batches, prepared or not
+    lines = [json.loads(x) for x in (trained["saved"] / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_loss" in r for r in lines)
+
+
+def test_training_resumes_mid_shard_exactly(corpus, train_main, trained):
+    """Shards stopped at step 2 (mid-shard) and resumed to 4 match 4 uninterrupted steps (of the same stream)."""
+    code = train_main("--dataset", str(corpus["shards"]), "--tokenizer", str(corpus["tokenizer"]),
+                      "--lr-schedule-steps", "4", "--total-steps", "4", "--checkpoint-dir", str(trained["shards"]))
+    assert code == 0
+    assert losses(trained["shards"]) == losses(trained["jsonl"])
+
+
+@pytest.mark.parametrize("case", ["hub", "hub-tokenizer", "missing", "field", "token-id", "mismatch", "empty"])
+def test_training_errors_exit_2_with_one_line_and_lose_nothing(corpus, train_main, tmp_path, capsys, offline,
+                                                               case):
+    tok = str(corpus["tokenizer"])
+    bad_ids = tmp_path / "bad_ids"
+    bad_ids.mkdir()
+    np.array([1, 300, 257] * 100, np.uint16).tofile(bad_ids / "train-00000.bin")
+    index = {"format": "nash_mhc-shards", "version": 1, "dtype": "uint16", "shard_tokens": 300,
+             "tokenizer": shards.tokenizer_record(ByteTokenizer()),
+             "splits": {s: {"num_tokens": 300, "num_documents": 100, "max_token_id": 300,
+                            "shards": [{"file": "train-00000.bin", "num_tokens": 300}]} for s in ("train", "eval")}}
+    (bad_ids / "index.json").write_text(json.dumps(index))
+    (tmp_path / "empty.jsonl").write_text("")
+    argv, expected = {
+        "hub": (["--dataset", "HuggingFaceTB/smollm-corpus", "--dataset-name", "cosmopedia-v2"],
+                "cannot be reached offline; use --dataset stdlib"),
+        "hub-tokenizer": (["--tokenizer", "HuggingFaceTB/smollm-360M"], "cannot be reached offline"),
+        "missing": (["--dataset", str(tmp_path / "data" / "train.jsonl")], "does not exist"),
+        "field": (["--dataset", str(corpus["jsonl"]), "--text-field", "body", "--tokenizer", tok],
+                  "fields: id, text"),
+        "token-id": (["--dataset", str(bad_ids)], "token id 300 >= vocab size 259"),
+        "mismatch": (["--dataset", str(corpus["shards"])], "do not match the tokenizer"),
+        "empty": (["--dataset", str(tmp_path / "empty.jsonl")], "is empty"),
+    }[case]
+    before = snapshot(corpus["root"]), snapshot(tmp_path)
+    code = train_main(*argv, "--total-steps", "2", "--checkpoint-dir", str(tmp_path / "run"))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert (snapshot(corpus["root"]), snapshot(tmp_path)) == before
+    assert not (tmp_path / "run").exists()
+
+
+def test_dataset_name_and_split_only_where_they_mean_something(corpus, train_main, tmp_path, capsys):
+    for argv, expected in ((["--dataset", "stdlib", "--split", "validation"], "offline corpora"),
+                           (["--dataset", str(corpus["jsonl"]), "--dataset-name", "x"], "--dataset-name only"),
+                           (["--dataset", str(corpus["shards"]), "--split", "test"], "has no named splits")):
+        assert train_main(*argv, "--checkpoint-dir", str(tmp_path / "run")) == 2
+        assert expected in capsys.readouterr().err
