@@ -106,13 +106,27 @@ class LanguageModel(eqx.Module):
         self.head = None if config.tie_embeddings else normal(k_head, (D, V), EMBED_STD)
         self.config = config
 
+    def embed(self, tokens: Int[Array, "seq"]) -> Float[Array, "seq n dim"]:
+        """Token embeddings, repeated into the n residual streams: X [T, n, D]."""
+        c = self.config
+        h = self.embedding[tokens]
+        return jnp.broadcast_to(h[:, None, :], (tokens.shape[0], c.num_streams, c.d_model))
+
+    def unembed(self, x: Float[Array, "seq n dim"]) -> Float[Array, "seq vocab"]:
+        """Collapse the streams (sum), final norm and LM head: logits [T, V], padded columns -1e30."""
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        h = self.final_norm(jnp.sum(x, axis=1))
+        head = self.embedding.T if self.head is None else self.head
+        logits = jnp.einsum("td,dv->tv", h.astype(dt), head.astype(dt), preferred_element_type=jnp.float32)
+        real = jnp.arange(c.padded_vocab_size) < c.vocab_size
+        return jnp.where(real[None, :], logits, -1e30)
+
     @jaxtyped(typechecker=beartype)
     def __call__(self, tokens: Int[Array, "seq"], *, return_residual_maps: bool = False) -> ModelOutput:
         c = self.config
-        dt = jnp.dtype(c.dtype)
         seq = tokens.shape[0]
-        h = self.embedding[tokens]
-        x = jnp.broadcast_to(h[:, None, :], (seq, c.num_streams, c.d_model))
+        x = self.embed(tokens)
         params, static = eqx.partition(self.blocks, eqx.is_array)
 
         def layer(x: jax.Array, block_params: Block) -> tuple[jax.Array, tuple[jax.Array, ...]]:
@@ -126,11 +140,7 @@ class LanguageModel(eqx.Module):
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[c.remat])
         x, ys = jax.lax.scan(layer, x, params)
         entropy, weights, diag = ys[:3]
-        h = self.final_norm(jnp.sum(x, axis=1))
-        head = self.embedding.T if self.head is None else self.head
-        logits = jnp.einsum("td,dv->tv", h.astype(dt), head.astype(dt), preferred_element_type=jnp.float32)
-        real = jnp.arange(c.padded_vocab_size) < c.vocab_size
-        logits = jnp.where(real[None, :], logits, -1e30)
+        logits = self.unembed(x)
         maps = ys[3].reshape(-1, seq, c.num_streams, c.num_streams) if return_residual_maps else None
         return ModelOutput(logits=logits, aux_loss=jnp.mean(entropy), scale_weights=jnp.mean(weights, axis=0),
                            res_diag=jnp.mean(diag), residual_maps=maps)

@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped
+from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.aggregation import ScaleAggregation
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
@@ -53,14 +53,31 @@ class MultiscaleAttention(eqx.Module):
         self.rope_theta = rope_theta
         self.dtype = dtype
 
-    def _scale(self, level: int, x: jax.Array, v: jax.Array) -> jax.Array:
-        """Attention output at one scale on its own (coarse) positions: [T_l, H, K]."""
+    # Per-token pieces, shared by the full-sequence forward below and by incremental decoding
+    # (nash_mhc.decoding), so both run the same math.
+    def values(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq heads head_dim"]:
+        """Shared value projection V = x W_v (x already in the compute dtype)."""
+        return jnp.einsum("td,dhk->thk", x, self.wv.astype(jnp.dtype(self.dtype)))
+
+    def queries_keys(self, level: int, x: Float[Array, "seq dim"], positions: Int[Array, "seq"] | None = None
+                     ) -> tuple[Float[Array, "seq heads head_dim"], Float[Array, "seq heads head_dim"]]:
+        """RoPE'd queries and keys of scale ``level`` for (coarse) tokens at ``positions`` (default 0..seq-1)."""
         dt = jnp.dtype(self.dtype)
         spacing = self.block_sizes[level]
         q = jnp.einsum("td,dhk->thk", x, self.wq[level].astype(dt))
         k = jnp.einsum("td,dhk->thk", x, self.wk[level].astype(dt))
-        q = rope(q, spacing=spacing, theta=self.rope_theta)
-        k = rope(k, spacing=spacing, theta=self.rope_theta)
+        q = rope(q, spacing=spacing, theta=self.rope_theta, positions=positions)
+        k = rope(k, spacing=spacing, theta=self.rope_theta, positions=positions)
+        return q, k
+
+    def output(self, out: Float[Array, "seq heads head_dim"]) -> Float[Array, "seq dim"]:
+        """Output projection of the aggregated heads."""
+        dt = jnp.dtype(self.dtype)
+        return jnp.einsum("thk,hkd->td", out.astype(dt), self.wo.astype(dt))
+
+    def _scale(self, level: int, x: jax.Array, v: jax.Array) -> jax.Array:
+        """Attention output at one scale on its own (coarse) positions: [T_l, H, K]."""
+        q, k = self.queries_keys(level, x)
         return causal_attention(q, k, v)
 
     @jaxtyped(typechecker=beartype)
@@ -69,7 +86,7 @@ class MultiscaleAttention(eqx.Module):
         dt = jnp.dtype(self.dtype)
         seq, dim = x.shape
         x = x.astype(dt)
-        v = jnp.einsum("td,dhk->thk", x, self.wv.astype(dt))
+        v = self.values(x)
         heads, head_dim = v.shape[1:]
         fine = self._scale(0, x, v)
         if self.aggregation is None:
@@ -89,5 +106,4 @@ class MultiscaleAttention(eqx.Module):
                 masks.append(avail)
             combined, weights, entropy = self.aggregation(jnp.stack(outputs, axis=1), jnp.stack(masks, axis=1))
             out = combined.reshape(seq, heads, head_dim)
-        y = jnp.einsum("thk,hkd->td", out.astype(dt), self.wo.astype(dt))
-        return y, weights, entropy
+        return self.output(out), weights, entropy

@@ -1,7 +1,7 @@
 """Pure functions of the Nash-MHC model: Sinkhorn, scale aggregation, RoPE, causal resampling, attention."""
 
 from nash_mhc.ops.aggregation import combine, masked_softmax, nash_weights, normalised_entropy
-from nash_mhc.ops.attention import causal_attention
+from nash_mhc.ops.attention import causal_attention, masked_attention
 from nash_mhc.ops.multiscale import available_mask, downsample, num_blocks, upsample_shifted
 from nash_mhc.ops.rope import rope
 from nash_mhc.ops.sinkhorn import sinkhorn
@@ -11,6 +11,7 @@ __all__ = [
     "causal_attention",
     "combine",
     "downsample",
+    "masked_attention",
     "masked_softmax",
     "nash_weights",
     "normalised_entropy",

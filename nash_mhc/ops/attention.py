@@ -5,7 +5,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped
+from jaxtyping import Array, Bool, Float, jaxtyped
+
+
+@jaxtyped(typechecker=beartype)
+def masked_attention(q: Float[Array, "query heads head_dim"], k: Float[Array, "key heads head_dim"],
+                     v: Float[Array, "key heads head_dim"], mask: Bool[Array, "query key"]
+                     ) -> Float[Array, "query heads head_dim"]:
+    """softmax(q kᵀ / √K, restricted to ``mask``) v with float32 scores and softmax.
+
+    Masked scores are -inf, so their probabilities are exactly 0. Every query row needs at least one
+    unmasked key. The core of :func:`causal_attention` and of one-query incremental decoding.
+    """
+    head_dim = q.shape[-1]
+    scores = jnp.einsum("qhk,shk->hqs", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / head_dim**0.5)
+    scores = jnp.where(mask[None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("hqs,shk->qhk", probs, v, preferred_element_type=jnp.float32).astype(v.dtype)
 
 
 @jaxtyped(typechecker=beartype)
@@ -16,10 +33,5 @@ def causal_attention(q: Float[Array, "seq heads head_dim"], k: Float[Array, "seq
     Masked scores are -inf, so their probabilities are exactly 0 and a change at key j can never change
     the output at a query i < j, bit for bit.
     """
-    seq, _, head_dim = q.shape
-    scores = jnp.einsum("qhk,shk->hqs", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / head_dim**0.5)
-    causal = jnp.tril(jnp.ones((seq, seq), bool))
-    scores = jnp.where(causal[None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("hqs,shk->qhk", probs, v, preferred_element_type=jnp.float32).astype(v.dtype)
+    seq = q.shape[0]
+    return masked_attention(q, k, v, jnp.tril(jnp.ones((seq, seq), bool)))

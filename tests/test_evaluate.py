@@ -1,0 +1,136 @@
+"""Train → generate → evaluate end to end, and ``python -m nash_mhc.evaluate``'s numbers and errors.
+
+One short real training run (``python -m nash_mhc.train`` on the tiny preset and the offline stdlib corpus,
+a scaled-down stand-in for the README's main command) feeds every test of this file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nash_mhc.data import ByteTokenizer
+from nash_mhc.evaluate import main as evaluate_main
+from nash_mhc.inference import count_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 80
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    return env
+
+
+def python_m(module: str, *args: str, expect: int = 0) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", module, *args], env=environment(), cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == expect, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, Path]:
+    """(run directory, compilation cache) of a tiny model trained for a few dozen steps on the stdlib."""
+    base = tmp_path_factory.mktemp("trained")
+    run_dir, cache = base / "run", base / "xla"
+    python_m("nash_mhc.train", "--model", "tiny", "--total-steps", str(STEPS), "--batch-size", "8",
+             "--learning-rate", "3e-3", "--warmup-steps", "5", "--eval-interval", str(STEPS), "--eval-steps", "2",
+             "--checkpoint-dir", str(run_dir), "--compile-cache-dir", str(cache), "--no-progress")
+    return run_dir, cache
+
+
+def evaluate(capsys, run_dir: Path, *args: str) -> dict:
+    code = evaluate_main(["--checkpoint-dir", str(run_dir), "--num-batches", "4", "--compile-cache-dir", "none",
+                          *args])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(out.out.strip().splitlines()[-1])
+
+
+def test_training_logs_the_numbers_evaluate_reports(capsys, run):
+    records = [json.loads(line) for line in (run[0] / "metrics.jsonl").read_text().splitlines()]
+    (logged,) = [r for r in records if "eval_loss" in r]
+    assert logged["step"] == STEPS
+    # Byte tokenizer: every predicted token but EOS is one byte, so bpb is just above loss / ln 2.
+    ratio = logged["eval_bpb"] * math.log(2) / logged["eval_loss"]
+    assert 1.0 <= ratio < 1.05, logged
+    # The training program's eval (2 batches of 8) is the first 2 batches of `evaluate`'s held-out windows.
+    record = evaluate(capsys, run[0], "--num-batches", "2")
+    assert math.isclose(record["loss"], logged["eval_loss"], rel_tol=1e-5)
+    assert math.isclose(record["perplexity"], logged["eval_ppl"], rel_tol=1e-4)
+    assert math.isclose(record["bits_per_byte"], logged["eval_bpb"], rel_tol=1e-5)
+
+
+def test_trained_model_beats_its_initialisation(capsys, run):
+    trained = evaluate(capsys, run[0])
+    untrained = evaluate(capsys, run[0], "--untrained")
+    for record in (trained, untrained):
+        assert set(record) >= {"loss", "perplexity", "bits_per_byte", "tokens", "bytes", "step"}
+        assert record["tokens"] == 4 * 8 * 64 and record["dataset"] == "stdlib" and record["split"] == "eval"
+        assert math.isclose(record["perplexity"], math.exp(record["loss"]), rel_tol=1e-9)
+        nats = record["loss"] * record["tokens"]
+        assert math.isclose(record["bits_per_byte"], nats / math.log(2) / record["bytes"], rel_tol=1e-9)
+    assert trained["step"] == STEPS and untrained["step"] == 0
+    assert untrained["perplexity"] > 100  # about the 259-way uniform guess
+    assert trained["perplexity"] < 0.3 * untrained["perplexity"], (trained, untrained)
+
+
+def test_generate_continues_def_with_python_looking_text(run):
+    run_dir, cache = run
+    result = python_m("nash_mhc.generate", "--checkpoint-dir", str(run_dir), "--prompt", "def ", "--temperature",
+                      "0.8", "--seed", "0", "--ignore-eos", "--compile-cache-dir", str(cache))
+    text = result.stdout
+    assert text.startswith("def ")
+    continuation = text[len("def "):]
+    assert len(continuation) >= 40, repr(text)
+    printable = sum(ch in string.printable for ch in continuation) / len(continuation)
+    assert printable >= 0.95, repr(text)
+    assert len(set(continuation) & set("()[]:=._,'\"#")) >= 2, repr(text)
+    assert any(ch.isalpha() for ch in continuation), repr(text)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--checkpoint-dir", "/nonexistent/run"), "does not exist"),
+    (("--batch-size", "0"), "--batch-size"),
+    (("--num-batches", "-1"), "--num-batches"),
+    (("--dataset", "no-such-corpus"), "no-such-corpus"),
+    (("--step", "3"), "no checkpoint at step 3"),
+    (("--split", "test"), "invalid choice"),
+])
+def test_evaluate_bad_input_exits_2_with_one_line(capsys, run, argv, message):
+    if "--checkpoint-dir" not in argv:
+        argv = ("--checkpoint-dir", str(run[0]), *argv)
+    try:
+        code = evaluate_main([*argv, "--compile-cache-dir", "none"])
+        err = capsys.readouterr().err
+    except SystemExit as exit_:  # argparse errors
+        code, err = exit_.code, capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error:") and err.count("\n") == 1 and message in err, err
+
+
+def test_cli_errors_are_one_line_without_traceback_in_a_real_process(tmp_path):
+    result = python_m("nash_mhc.generate", "--checkpoint-dir", str(tmp_path), "--prompt", "x", expect=2)
+    assert result.stderr.startswith("error: no complete checkpoint") and result.stderr.count("\n") == 1
+
+
+def test_bytes_are_counted_independently_of_the_tokenizer():
+    tokenizer = ByteTokenizer()
+    ids = np.array([[ord("a"), 0xC3, 0xA9, tokenizer.eos_id], [tokenizer.bos_id, 32, 33, tokenizer.pad_id]])
+    assert count_bytes(tokenizer, ids) == 5
+
+    class WordTokenizer:  # a tokenizer without byte-level ids: bytes come from the decoded text
+        def decode(self, row):
+            return " ".join(["héllo"] * len(row))
+
+    assert count_bytes(WordTokenizer(), np.zeros((2, 3), np.int32)) == 2 * len("héllo héllo héllo".encode())
