@@ -45,11 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-scales", type=int, help="attention scales L")
     g.add_argument("--sparsity-weight", type=float, help="weight of the aggregation-entropy aux loss")
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="stdlib", help="'stdlib' (offline default corpus) or 'synthetic'")
+    g.add_argument("--dataset", default="stdlib", help="'stdlib' (offline default corpus), 'synthetic', a local "
+                   ".txt/.jsonl/.json/.parquet file or directory, a save_to_disk directory, prepared shards "
+                   "(python -m nash_mhc.data.prepare) or a Hugging Face dataset id")
     g.add_argument("--dataset-name", help="configuration name of a Hugging Face dataset")
-    g.add_argument("--split", default="train", help="dataset split to train on")
-    g.add_argument("--tokenizer", default="bytes", help="'bytes' (offline default)")
+    g.add_argument("--split", default="train", help="split of a Hugging Face dataset to train on")
+    g.add_argument("--text-field", default="text", help="text column of JSON, Parquet and datasets data")
+    g.add_argument("--tokenizer", default="bytes", help="'bytes' (offline default), a tokenizer.json, a tokenizer "
+                   "directory or a Hugging Face tokenizer id")
     g.add_argument("--num-workers", type=int, default=1, help="parallel tokenisation workers (on-the-fly sources)")
+    g.add_argument("--max-stream-tokens", type=int, default=20_000_000, help="tokens read from a streamed "
+                   "Hugging Face dataset (its deterministic prefix is trained on; prepare shards for more)")
     g.add_argument("--worker-buffer-size", type=int, default=2, help="batches the prefetch thread keeps ready")
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=int, default=8, help="global sequences per optimizer update "
@@ -125,7 +131,7 @@ def configs_from_args(args: argparse.Namespace):
                                                          "sparsity_weight") if getattr(args, name) is not None}
     if args.dataset_name and args.dataset in ("stdlib", "default", "synthetic"):
         raise ValueError(f"--dataset-name only applies to Hugging Face datasets, not {args.dataset!r}")
-    if args.split != "train":
+    if args.split != "train" and args.dataset in ("stdlib", "default", "synthetic"):
         raise ValueError(f"--split {args.split!r}: the offline corpora train on 'train' (eval uses a held-out "
                          "split automatically)")
     model_config = ModelConfig.preset("small" if args.use_small_model else args.model, **overrides)
@@ -143,7 +149,11 @@ def configs_from_args(args: argparse.Namespace):
                                min_lr_ratio=args.min_lr_ratio, warmup_steps=warmup, total_steps=schedule,
                                weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
                                remat=args.remat)
-    run = RunConfig(dataset=args.dataset, tokenizer=args.tokenizer, checkpoint_dir=args.checkpoint_dir,
+    if args.max_stream_tokens < 1:
+        raise ValueError(f"--max-stream-tokens must be >= 1, got {args.max_stream_tokens}")
+    run = RunConfig(dataset=args.dataset, tokenizer=args.tokenizer, dataset_name=args.dataset_name,
+                    split=args.split, text_field=args.text_field, num_workers=args.num_workers,
+                    max_stream_tokens=args.max_stream_tokens, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_interval=args.checkpoint_interval, max_checkpoints=args.max_checkpoints,
                     resume_from=args.resume_from, init_from=args.init_from, log_interval=args.log_interval,
                     eval_interval=args.eval_interval, eval_steps=args.eval_steps, mesh_data=args.mesh_data,
@@ -172,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile_cache_dir and args.compile_cache_dir.lower() != "none":
             import jax
 
-            jax.config.update("jax_compilation_cache_dir", args.compile_cache_dir)
+            from nash_mhc import paths  # a local directory or a bucket (gs://...), checked like --checkpoint-dir
+
+            jax.config.update("jax_compilation_cache_dir", os.fspath(paths.as_path(args.compile_cache_dir)))
         session = loop.prepare(model_config, train_config, run)
     except (ValueError, FileNotFoundError, PermissionError) as error:
         return fail(str(error).splitlines()[0] if str(error) else type(error).__name__)

@@ -16,16 +16,17 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
 
+from nash_mhc import hardware, paths
 from nash_mhc.config import ModelConfig, describe
-from nash_mhc.data import make_datasets
+from nash_mhc.data import get_tokenizer, make_datasets
 from nash_mhc.data.prefetch import Prefetcher
+from nash_mhc.inference import count_bytes
 from nash_mhc.sharding import batch_shards, make_mesh, shard_batch, sharding_summary
 from nash_mhc.training.checkpoint import Checkpointer, CheckpointError, config_differences, find_checkpoint
 from nash_mhc.training.config import TrainConfig
@@ -43,6 +44,11 @@ class RunConfig:
 
     dataset: str = "stdlib"
     tokenizer: str = "bytes"
+    dataset_name: str | None = None  # Hugging Face configuration
+    split: str = "train"  # Hugging Face split to train on
+    text_field: str = "text"
+    num_workers: int = 1  # tokenisation threads of on-the-fly sources
+    max_stream_tokens: int | None = 20_000_000  # prefix of a streamed hub dataset that is trained on
     checkpoint_dir: str = "runs/nash_mhc"
     checkpoint_interval: int = 500
     max_checkpoints: int = 3
@@ -60,7 +66,7 @@ class RunConfig:
     stop_step: int | None = None  # where this run stops (default: TrainConfig.total_steps, the schedule end)
 
     def __post_init__(self) -> None:
-        for name in ("checkpoint_interval", "log_interval", "max_nonfinite_steps", "eval_steps"):
+        for name in ("checkpoint_interval", "log_interval", "max_nonfinite_steps", "eval_steps", "num_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_interval", "worker_buffer_size"):
@@ -92,7 +98,8 @@ class Session:
 
 def initialize_distributed() -> None:
     """``jax.distributed.initialize`` from JAX_COORDINATOR_ADDRESS / JAX_PROCESS_COUNT / JAX_PROCESS_INDEX
-    (CPU processes use gloo collectives), or automatically on a multi-worker TPU slice. No-op otherwise."""
+    (CPU processes use gloo collectives), or with cluster auto-detection when NASH_MHC_DISTRIBUTED=1 (the pod
+    launcher sets it on every worker) or TPU_WORKER_HOSTNAMES lists several workers. No-op otherwise."""
     address = os.environ.get("JAX_COORDINATOR_ADDRESS")
     if address:
         count, index = os.environ.get("JAX_PROCESS_COUNT"), os.environ.get("JAX_PROCESS_INDEX")
@@ -100,8 +107,8 @@ def initialize_distributed() -> None:
             raise ValueError("JAX_COORDINATOR_ADDRESS is set: also set JAX_PROCESS_COUNT and JAX_PROCESS_INDEX")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=address, num_processes=int(count), process_id=int(index))
-    elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
-        jax.distributed.initialize()
+    elif os.environ.get("NASH_MHC_DISTRIBUTED") == "1" or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+        jax.distributed.initialize()  # cluster auto-detection (Cloud TPU pod slices, SLURM, ...)
 
 
 def _meta(session_step: int, model_config: ModelConfig, train_config: TrainConfig, run: RunConfig,
@@ -109,6 +116,8 @@ def _meta(session_step: int, model_config: ModelConfig, train_config: TrainConfi
     return {
         "step": session_step,
         "data": {"dataset": run.dataset, "tokenizer": run.tokenizer, "next_step": session_step,
+                 "dataset_name": run.dataset_name, "split": run.split, "text_field": run.text_field,
+                 "max_stream_tokens": run.max_stream_tokens,
                  "samples_seen": session_step * train_config.batch_size},
         "rng": {"seed": train_config.seed},
         "model_config": model_config.to_dict(),
@@ -130,6 +139,7 @@ def _open_source(path: str) -> tuple[Checkpointer, int, dict[str, Any]]:
 
 def prepare(model_config: ModelConfig, train_config: TrainConfig, run: RunConfig) -> Session:
     """Build mesh, data, state (fresh or restored) and outputs; raises ValueError on bad input."""
+    devices = hardware.init_devices()  # HardwareError (a ValueError) when JAX_PLATFORMS cannot be honoured
     mesh = make_mesh(run.mesh_data, run.mesh_fsdp, run.mesh_tp)
     shards = batch_shards(mesh)
     micro = train_config.microbatch_size
@@ -140,11 +150,14 @@ def prepare(model_config: ModelConfig, train_config: TrainConfig, run: RunConfig
         raise ValueError(f"batch size {train_config.batch_size} is not divisible by the "
                          f"{jax.process_count()} processes")
     train_data, eval_data, tokenizer = make_datasets(run.dataset, run.tokenizer, model_config.seq_len,
-                                                     train_config.seed)
+                                                     train_config.seed, dataset_name=run.dataset_name,
+                                                     split=run.split, text_field=run.text_field,
+                                                     num_workers=run.num_workers,
+                                                     max_stream_tokens=run.max_stream_tokens)
     if model_config.vocab_size != tokenizer.vocab_size:
         model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
 
-    directory = Path(run.checkpoint_dir)
+    directory = paths.as_path(run.checkpoint_dir)  # a local path or a bucket URI (gs://...)
     checkpointer = Checkpointer(directory, max_to_keep=run.max_checkpoints)
     resume: tuple[Checkpointer, int, dict[str, Any]] | None = None
     if run.resume_from:
@@ -172,10 +185,8 @@ def prepare(model_config: ModelConfig, train_config: TrainConfig, run: RunConfig
     logger = RunLogger(directory, enabled=is_main, total_steps=run.stop_step or train_config.total_steps,
                        start_step=start_step, progress=run.progress)
     peak, peak_source = device_peak()
-    devices = jax.devices()
     summary = [
-        f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), "
-        f"{jax.process_count()} process(es)",
+        *hardware.summary_lines(devices),
         *sharding_summary(state.model, mesh),
         f"model: {describe(model_config)}",
         f"tokens per update: {train_config.batch_size * model_config.seq_len:,} "
@@ -230,8 +241,10 @@ def _host_batch(dataset: Any, step: int, global_batch: int) -> np.ndarray:
 
 
 def evaluate(session: Session, state: TrainState) -> dict[str, float]:
-    """Token-weighted mean loss over ``eval_steps`` fixed eval batches."""
+    """Token-weighted mean loss over ``eval_steps`` fixed eval batches, its perplexity and bits per byte."""
     total = count = aux = 0.0
+    num_bytes = 0
+    tokenizer = get_tokenizer(session.run.tokenizer)
     batch_size = session.train_config.microbatch_size
     for i in range(session.run.eval_steps):
         tokens = shard_batch(_host_batch(session.eval_data, i, batch_size), session.mesh)
@@ -239,8 +252,10 @@ def evaluate(session: Session, state: TrainState) -> dict[str, float]:
         total += float(metrics["ce_loss"]) * float(metrics["tokens"])
         count += float(metrics["tokens"])
         aux += float(metrics["aux_loss"])
+        num_bytes += count_bytes(tokenizer, session.eval_data.batch_at(i, global_batch=batch_size)[:, 1:])
     ce = total / max(count, 1.0)
-    return {"eval_loss": ce, "eval_ppl": math.exp(min(ce, 80.0)), "eval_aux_loss": aux / session.run.eval_steps}
+    return {"eval_loss": ce, "eval_ppl": math.exp(min(ce, 80.0)), "eval_aux_loss": aux / session.run.eval_steps,
+            "eval_bpb": total / math.log(2) / max(num_bytes, 1)}
 
 
 def train(session: Session) -> int:
