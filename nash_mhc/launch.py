@@ -14,8 +14,8 @@ them instead, one shell-quoted command per line, and needs no gcloud):
              step, save a checkpoint and exit 0)
     delete   delete the TPU VM (checkpoints in the bucket stay)
 
-Multi-host slices need no extra environment: every worker runs the same command and the TPU runtime connects
-them. Checkpoints must go to a bucket
+Every worker runs the same command with NASH_MHC_DISTRIBUTED=1, so each calls ``jax.distributed.initialize()``
+and the TPU runtime's auto-detection connects them. Checkpoints must go to a bucket
 (``--checkpoint-dir gs://...``) that every worker can reach and that outlives a preempted VM.
 """
 
@@ -50,7 +50,9 @@ ARCHIVE_EXCLUDE_NAMES = ("*.ckpt", "*.pt", "*.pth", "*.npy", "*.npz", "*.safeten
                          "*.orbax-checkpoint-tmp*", "*.pyc", "*.egg-info", "*.so")
 ARCHIVE_MAX_FILE_BYTES = 5 * 2**20  # code and docs are small; anything bigger is data that slipped in
 
-DEFAULT_ENV = {"PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "tpu"}  # fail loudly instead of a CPU fallback
+# JAX_PLATFORMS=tpu fails loudly instead of a CPU fallback; NASH_MHC_DISTRIBUTED=1 makes every worker call
+# jax.distributed.initialize() (cluster auto-detection), which multi-host slices need.
+DEFAULT_ENV = {"PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "tpu", "NASH_MHC_DISTRIBUTED": "1"}
 
 
 

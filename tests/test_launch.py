@@ -59,8 +59,9 @@ def test_dry_run_for_a_v4_32_pod(capsys, tmp_path):
     assert flag(run, "worker") == "all"  # one ssh: the same command on every worker
     remote = flag(run, "command")
     words = shlex.split(remote.split("nohup ", 1)[1].split(" >> ")[0])
-    assert words[:4] == ["env", "PYTHONUNBUFFERED=1", "JAX_PLATFORMS=tpu", "WANDB_MODE=offline"]
-    assert words[4:8] == [".venv/bin/python", "-m", "nash_mhc.train", "--no-progress"] and words[8:] == TRAIN
+    assert words[:5] == ["env", "PYTHONUNBUFFERED=1", "JAX_PLATFORMS=tpu", "NASH_MHC_DISTRIBUTED=1",
+                         "WANDB_MODE=offline"]
+    assert words[5:9] == [".venv/bin/python", "-m", "nash_mhc.train", "--no-progress"] and words[9:] == TRAIN
     assert remote.startswith("cd ~/nash_mhc && ") and ">> ~/nash_mhc/logs/train.log 2>&1 < /dev/null &" in remote
 
     (logs,), _ = dry_run(capsys, "logs")
