@@ -1,9 +1,11 @@
-"""Benchmark helpers: compile outside the timed region, block until device work is done."""
+"""Benchmark helpers: compile outside the timed region, block until device work is done, one peak probe."""
 
 from __future__ import annotations
 
 import jax
 import pytest
+
+from nash_mhc.training.throughput import probe_peak
 
 
 @pytest.fixture
@@ -15,3 +17,9 @@ def timed(benchmark):
         return benchmark.pedantic(lambda: jax.block_until_ready(fn(*args)), rounds=rounds, iterations=1)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def peak_flops() -> float:
+    """float32 matmul FLOP/s of one device, measured once per session (the MFU denominator on CPU)."""
+    return probe_peak()

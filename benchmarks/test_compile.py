@@ -1,0 +1,37 @@
+"""Compile time of the training step as depth grows (one lax.scan over layers keeps it flat)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import pytest
+
+from nash_mhc import ModelConfig, TrainConfig, make_mesh
+from nash_mhc.training import Batch, init_train_state
+from nash_mhc.training.step import _train_step_jit
+
+COMPILE_SECONDS: dict[int, float] = {}
+
+
+@pytest.mark.parametrize("depth", [4, 12, 24])
+def test_step_compile_time(benchmark, depth):
+    config = ModelConfig.preset("small", num_layers=depth)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    state = init_train_state(config, TrainConfig(batch_size=8, warmup_steps=1, total_steps=10), mesh,
+                             key=jax.random.key(0))
+    batch = Batch(tokens=jax.numpy.zeros((8, config.seq_len + 1), jax.numpy.int32))
+
+    def compile_once() -> float:
+        jax.clear_caches()
+        start = time.perf_counter()
+        _train_step_jit.lower(batch, state).compile()
+        return time.perf_counter() - start
+
+    benchmark.pedantic(compile_once, rounds=1, iterations=1)
+    COMPILE_SECONDS[depth] = benchmark.stats.stats.mean
+    benchmark.extra_info["compile_seconds"] = round(COMPILE_SECONDS[depth], 2)
+    if 4 in COMPILE_SECONDS:
+        ratio = COMPILE_SECONDS[depth] / COMPILE_SECONDS[4]
+        benchmark.extra_info["ratio_to_depth_4"] = round(ratio, 3)
+        print(f"\ndepth {depth}: compile {COMPILE_SECONDS[depth]:.1f}s ({ratio:.2f}x depth 4)")

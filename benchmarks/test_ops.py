@@ -1,0 +1,32 @@
+"""Micro-benchmarks of the mHC and aggregation ops across stream counts and batch sizes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from nash_mhc.ops import nash_weights, sinkhorn
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("tokens", [1024, 16384])
+def test_sinkhorn(benchmark, timed, n, tokens):
+    logits = jax.random.normal(jax.random.key(0), (tokens, n, n))
+    project = jax.jit(sinkhorn)
+    timed(project, logits, rounds=20)
+    benchmark.extra_info["matrices_per_second"] = round(tokens / benchmark.stats.stats.mean)
+
+
+@pytest.mark.parametrize("scales", [2, 4])
+@pytest.mark.parametrize("tokens", [1024, 8192])
+def test_nash_aggregation(benchmark, timed, scales, tokens):
+    dim = 256
+    outputs = jax.random.normal(jax.random.key(0), (tokens, scales, dim))
+    available = jnp.ones((tokens, scales), bool)
+    prior = jnp.zeros((scales,))
+    weights = jax.jit(functools.partial(nash_weights, num_iters=3, temperature=1.0))
+    timed(weights, outputs, available, prior, rounds=20)
+    benchmark.extra_info["positions_per_second"] = round(tokens / benchmark.stats.stats.mean)
