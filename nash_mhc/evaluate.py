@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from nash_mhc.train import DEFAULT_COMPILE_CACHE, OneLineParser
+from nash_mhc.cli import DEFAULT_COMPILE_CACHE, OneLineParser, fail, use_compile_cache
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,11 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:
@@ -50,13 +45,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import logging
 
-    import jax
-
     from nash_mhc.inference import eval_dataset, evaluate_model, load_model
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
-    if args.compile_cache_dir and args.compile_cache_dir.lower() != "none":
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache_dir)
+    use_compile_cache(args.compile_cache_dir)
     try:
         loaded = load_model(args.checkpoint_dir, step=args.step, untrained=args.untrained)
         dataset_name = args.dataset or loaded.dataset
@@ -64,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         data = eval_dataset(dataset_name, loaded.tokenizer, loaded.config.seq_len, seed=loaded.seed,
                             split=args.split, **options)
     except (ValueError, FileNotFoundError, PermissionError) as error:
-        return fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return fail(error)
     result = evaluate_model(loaded.model, data, loaded.tokenizer, batch_size=args.batch_size,
                             num_batches=args.num_batches)
     record = {**result.to_dict(), "step": loaded.step, "dataset": dataset_name, "split": args.split}

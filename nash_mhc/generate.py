@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from nash_mhc.cli import DEFAULT_COMPILE_CACHE, OneLineParser, fail, use_compile_cache
 from nash_mhc.decoding import generate as _generate
-from nash_mhc.train import DEFAULT_COMPILE_CACHE, OneLineParser
 
 DEFAULT_NEW_TOKENS = 200
 
@@ -92,27 +92,19 @@ class TextStream:
             self.printed = len(text)
 
 
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
     except ValueError as error:
-        return fail(str(error))
+        return fail(error)
 
     import logging
-
-    import jax
 
     from nash_mhc.inference import load_model
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
-    if args.compile_cache_dir and args.compile_cache_dir.lower() != "none":
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache_dir)
+    use_compile_cache(args.compile_cache_dir)
     try:
         loaded = load_model(args.checkpoint_dir, step=args.step, untrained=args.untrained)
         tokenizer, context = loaded.tokenizer, loaded.config.seq_len
@@ -126,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceed the "
                              f"model's context of {context} tokens; use --max-new-tokens <= {context - len(ids)}")
     except (ValueError, FileNotFoundError, PermissionError) as error:
-        return fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return fail(error)
 
     try:
         if args.num_samples > 1:

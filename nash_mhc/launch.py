@@ -32,7 +32,8 @@ import tarfile
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+
+from nash_mhc.cli import OneLineParser, fail
 
 ROOT = Path(__file__).resolve().parents[1]
 REMOTE_DIR = "nash_mhc"  # on each worker, relative to the home directory
@@ -75,11 +76,6 @@ def setup_script(extra: str, python: str | None) -> str:
 
 class LaunchError(Exception):
     """A user-facing problem: one line on stderr, exit code 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see --help)\n")
 
 
 # ------------------------------------------------------------------------------------------------ archive
@@ -269,8 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                               "(https://cloud.google.com/sdk/docs/install), run `gcloud auth login`, or use --dry-run")
         commands, notes = plan(args)
     except LaunchError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return fail(error)
     if args.dry_run:
         for line in notes:
             print(line)

@@ -10,22 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from nash_mhc.cli import DEFAULT_COMPILE_CACHE, OneLineParser, fail, use_compile_cache
 from nash_mhc.config import AGGREGATION_MODES, ATTENTION_MODES, DTYPES, REMAT_POLICIES, RESIDUAL_MODES, ModelConfig
-
-DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "nash_mhc", "xla")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports errors as a single line (exit 2), without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,31 +154,21 @@ def configs_from_args(args: argparse.Namespace):
     return model_config, train_config, run
 
 
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         model_config, train_config, run = configs_from_args(args)
     except ValueError as error:
-        return fail(str(error))
+        return fail(error)
 
     from nash_mhc.training import loop  # imports JAX: after argument errors are reported
 
     try:
         loop.initialize_distributed()
-        if args.compile_cache_dir and args.compile_cache_dir.lower() != "none":
-            import jax
-
-            from nash_mhc import paths  # a local directory or a bucket (gs://...), checked like --checkpoint-dir
-
-            jax.config.update("jax_compilation_cache_dir", os.fspath(paths.as_path(args.compile_cache_dir)))
+        use_compile_cache(args.compile_cache_dir)  # a local directory or a bucket (gs://...)
         session = loop.prepare(model_config, train_config, run)
     except (ValueError, FileNotFoundError, PermissionError) as error:
-        return fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return fail(error)
     return loop.train(session)
 
 

@@ -20,7 +20,9 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
+
+from nash_mhc.cli import OneLineParser, fail
 
 __all__ = ["build_parser", "main", "prepare_shards"]
 
@@ -114,13 +116,8 @@ def prepare_shards(
     return index
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog="python -m nash_mhc.data.prepare", description=__doc__.splitlines()[0],
+    p = OneLineParser(prog="python -m nash_mhc.data.prepare", description=__doc__.splitlines()[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", required=True, help="what to tokenise (any --dataset of the training program)")
     p.add_argument("--dataset-name", help="configuration name of a Hugging Face dataset")
@@ -145,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                                shard_tokens=args.shard_tokens, max_tokens=args.max_tokens, seed=args.seed,
                                progress=not args.no_progress)
     except (ValueError, FileNotFoundError, PermissionError) as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+        return fail(error)
     summary = {role: {k: v for k, v in entry.items() if k != "shards"} | {"shards": len(entry["shards"])}
                for role, entry in index["splits"].items()}
     print(json.dumps({"out": str(args.out), "tokenizer": index["tokenizer"]["name"], "dtype": index["dtype"],
