@@ -9,7 +9,7 @@ Dimension letters used across the package:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 RESIDUAL_MODES = ("mhc", "hc", "plain")
 ATTENTION_MODES = ("multiscale", "full")
@@ -29,8 +29,27 @@ def default_ffn_hidden(d_model: int) -> int:
     return max(128, int(round(8 * d_model / 3 / 128)) * 128)
 
 
+ConfigT = TypeVar("ConfigT", bound="ConfigMethods")
+
+
+class ConfigMethods:
+    """replace / to_dict / from_dict shared by the frozen config dataclasses."""
+
+    def replace(self: ConfigT, **changes: Any) -> ConfigT:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[ConfigT], data: dict[str, Any]) -> ConfigT:
+        """Build from a dict (e.g. a checkpoint's JSON), ignoring keys that are not fields."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(ConfigMethods):
     """Architecture of a Nash-MHC language model (see DESIGN.md §1).
 
     Normalisations done in ``__post_init__`` (so equal models compare equal):
@@ -130,17 +149,6 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig field(s): {', '.join(sorted(unknown))}")
         return cls(**{**cls.PRESETS[name], **overrides})
-
-    def replace(self, **changes: Any) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
 
     # ------------------------------------------------------------------------------- derived sizes
     @property

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from nash_mhc.config import REMAT_POLICIES
+from nash_mhc.config import REMAT_POLICIES, ConfigMethods
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(ConfigMethods):
     """Optimiser, schedule and step settings.
 
     batch_size: global batch in sequences per optimizer step (all microbatches, all hosts); it must divide
@@ -81,13 +81,3 @@ class TrainConfig:
     def microbatch_size(self) -> int:
         return self.batch_size // self.grad_accum_steps
 
-    def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
