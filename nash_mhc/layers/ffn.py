@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, jaxtyped
 
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
@@ -29,7 +32,12 @@ class SwiGLU(eqx.Module):
     @jaxtyped(typechecker=beartype)
     def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
         dt = jnp.dtype(self.dtype)
-        x = x.astype(dt)
-        gate = x @ self.w_gate.astype(dt)
-        up = x @ self.w_up.astype(dt)
-        return (jax.nn.silu(gate) * up) @ self.w_down.astype(dt)
+        return _swiglu(x.astype(dt), self.w_gate.astype(dt), self.w_up.astype(dt), self.w_down.astype(dt))
+
+
+@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names("gate", "up"))
+def _swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The backward pass keeps x and the two [T, F] projections; silu and the product are recomputed."""
+    gate = checkpoint_name(x @ w_gate, "gate")
+    up = checkpoint_name(x @ w_up, "up")
+    return (jax.nn.silu(gate) * up) @ w_down

@@ -83,8 +83,13 @@ class HyperConnection(eqx.Module):
         """(H_pre, H_post, H_res) for every token, float32."""
         assert self.norm is not None and self.phi is not None and self.alpha is not None
         seq, n, dim = x.shape
-        flat = self.norm(x.astype(jnp.float32).reshape(seq, n * dim))
-        a = flat @ self.phi
+        xf = x.astype(jnp.float32)
+        # RMSNorm(flatten(X)) Φ = rsqrt(mean(X²) + eps) · (X (g ⊙ Φ)): the per-token scale is applied to the
+        # [T, 2n+n²] projection, not to the [T, n·D] streams, and X is contracted in its own [T, n, D] shape,
+        # so the backward pass keeps X itself and no normalised or reshaped copy of it.
+        inv_rms = jax.lax.rsqrt(jnp.mean(xf * xf, axis=(1, 2)) + self.norm.eps)
+        weighted_phi = (self.norm.weight[:, None] * self.phi).reshape(n, dim, -1)
+        a = jnp.einsum("tnd,ndc->tc", xf, weighted_phi) * inv_rms[:, None]
         a_pre, a_post, a_res = a[:, :n], a[:, n:2 * n], a[:, 2 * n:].reshape(seq, n, n)
         if self.mode == "mhc":
             h_pre = jax.nn.sigmoid(self.alpha[0] * a_pre + self.b_pre)

@@ -16,7 +16,14 @@ def masked_attention(q: Float[Array, "query heads head_dim"], k: Float[Array, "k
 
     Masked scores are -inf, so their probabilities are exactly 0. Every query row needs at least one
     unmasked key. The core of :func:`causal_attention` and of one-query incremental decoding.
+    Rematerialised: the backward pass keeps q, k, v and recomputes the [H, Tq, Tk] probabilities instead
+    of saving them (one extra QKᵀ matmul for no score-sized residuals).
     """
+    return _masked_attention(q, k, v, mask)
+
+
+@jax.checkpoint
+def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     head_dim = q.shape[-1]
     scores = jnp.einsum("qhk,shk->hqs", q, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / head_dim**0.5)
