@@ -140,7 +140,7 @@ class EvalResult:
 @eqx.filter_jit
 def _token_nll(model: LanguageModel, tokens: Int[Array, "batch window"]) -> Float[Array, "batch seq"]:
     """Cross-entropy (nats) of every next-token prediction of a batch of windows [B, T+1]."""
-    logits = jax.vmap(model)(tokens[:, :-1]).logits.astype(jnp.float32)
+    logits = model(tokens[:, :-1]).logits.astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 

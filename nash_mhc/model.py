@@ -25,7 +25,7 @@ REMAT_POLICIES = {
 
 
 class ModelOutput(eqx.Module):
-    """What one forward pass returns for one sequence.
+    """What one forward pass returns for one sequence (a batched call adds a leading B to every field).
 
     logits: [T, V] float32, columns ≥ vocab_size masked to -1e30 (vocab padding never gets probability).
     aux_loss: mean normalised entropy of the scale-aggregation weights over layers (unscaled; the training
@@ -35,11 +35,11 @@ class ModelOutput(eqx.Module):
     residual_maps: [2·layers, T, n, n] every sublayer's H_res, only with ``return_residual_maps=True``.
     """
 
-    logits: Float[Array, "seq vocab"]
-    aux_loss: Float[Array, ""]
-    scale_weights: Float[Array, "scales"]
-    res_diag: Float[Array, ""]
-    residual_maps: Float[Array, "sublayers seq n n"] | None = None
+    logits: Float[Array, "*batch seq vocab"]
+    aux_loss: Float[Array, "*batch"]
+    scale_weights: Float[Array, "*batch scales"]
+    res_diag: Float[Array, "*batch"]
+    residual_maps: Float[Array, "*batch sublayers seq n n"] | None = None
 
 
 class Block(eqx.Module):
@@ -67,18 +67,26 @@ class Block(eqx.Module):
         self.ffn = SwiGLU(c.d_model, c.ffn_hidden, num_layers=c.num_layers, dtype=c.dtype, key=k4)
 
     @jaxtyped(typechecker=beartype)
-    def __call__(self, x: Float[Array, "seq n dim"]) -> tuple[
-            Float[Array, "seq n dim"], Float[Array, ""], Float[Array, "seq scales"], Float[Array, "2 seq n n"]]:
-        """Returns (X, aggregation entropy, aggregation weights, H_res of both sublayers)."""
+    def __call__(self, x: Float[Array, "batch seq n dim"]) -> tuple[
+            Float[Array, "batch seq n dim"], Float[Array, "batch"], Float[Array, "batch seq scales"],
+            Float[Array, "2 batch seq n n"]]:
+        """Returns (X, aggregation entropy per sequence, aggregation weights, H_res of both sublayers).
+
+        The hyper-connections, norms and FFN are per token and run on the flattened [B·T, ...] tokens;
+        attention gets them back as [B, T, D] sequences.
+        """
+        batch, seq, n, dim = x.shape
         stats = {}
 
         def attention(u: jax.Array) -> jax.Array:
-            y, stats["weights"], stats["entropy"] = self.attn(self.attn_norm(u))
-            return y
+            y, stats["weights"], stats["entropy"] = self.attn(self.attn_norm(u).reshape(batch, seq, dim))
+            return y.reshape(batch * seq, dim)
 
-        x, res_attn = self.attn_hc(x, attention)
-        x, res_ffn = self.ffn_hc(x, lambda u: self.ffn(self.ffn_norm(u)))
-        return x, stats["entropy"], stats["weights"], jnp.stack([res_attn, res_ffn])
+        tokens = x.reshape(batch * seq, n, dim)
+        tokens, res_attn = self.attn_hc(tokens, attention)
+        tokens, res_ffn = self.ffn_hc(tokens, lambda u: self.ffn(self.ffn_norm(u)))
+        res = jnp.stack([res_attn, res_ffn]).reshape(2, batch, seq, n, n)
+        return tokens.reshape(batch, seq, n, dim), stats["entropy"], stats["weights"], res
 
 
 class LanguageModel(eqx.Module):
@@ -106,41 +114,54 @@ class LanguageModel(eqx.Module):
         self.head = None if config.tie_embeddings else normal(k_head, (D, V), EMBED_STD)
         self.config = config
 
-    def embed(self, tokens: Int[Array, "seq"]) -> Float[Array, "seq n dim"]:
-        """Token embeddings, repeated into the n residual streams: X [T, n, D]."""
+    def embed(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq n dim"]:
+        """Token embeddings, repeated into the n residual streams: X [..., T, n, D]."""
         c = self.config
         h = self.embedding[tokens]
-        return jnp.broadcast_to(h[:, None, :], (tokens.shape[0], c.num_streams, c.d_model))
+        return jnp.broadcast_to(h[..., None, :], (*tokens.shape, c.num_streams, c.d_model))
 
-    def unembed(self, x: Float[Array, "seq n dim"]) -> Float[Array, "seq vocab"]:
-        """Collapse the streams (sum), final norm and LM head: logits [T, V], padded columns -1e30."""
+    def unembed(self, x: Float[Array, "*batch seq n dim"]) -> Float[Array, "*batch seq vocab"]:
+        """Collapse the streams (sum), final norm and LM head: logits [..., T, V], padded columns -1e30."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        h = self.final_norm(jnp.sum(x, axis=1))
+        h = self.final_norm(jnp.sum(x, axis=-2))
         head = self.embedding.T if self.head is None else self.head
-        logits = jnp.einsum("td,dv->tv", h.astype(dt), head.astype(dt), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,dv->...v", h.astype(dt), head.astype(dt), preferred_element_type=jnp.float32)
         real = jnp.arange(c.padded_vocab_size) < c.vocab_size
-        return jnp.where(real[None, :], logits, -1e30)
+        return jnp.where(real, logits, -1e30)
 
     @jaxtyped(typechecker=beartype)
-    def __call__(self, tokens: Int[Array, "seq"], *, return_residual_maps: bool = False) -> ModelOutput:
+    def __call__(self, tokens: Int[Array, "*batch seq"], *, return_residual_maps: bool = False) -> ModelOutput:
+        """Forward pass of one sequence [T] or of a batch [B, T] (every output then has a leading B).
+
+        A batch runs natively: token-wise layers see all B·T tokens at once, so each weight gradient is
+        one matmul (``jax.vmap`` over single sequences gives the same numbers, more slowly on CPU).
+        """
+        if tokens.ndim == 1:
+            out = self(tokens[None], return_residual_maps=return_residual_maps)
+            return jax.tree.map(lambda a: a[0], out)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [seq] or [batch, seq], got shape {tokens.shape}")
         c = self.config
-        seq = tokens.shape[0]
+        batch, seq = tokens.shape
         x = self.embed(tokens)
         params, static = eqx.partition(self.blocks, eqx.is_array)
 
         def layer(x: jax.Array, block_params: Block) -> tuple[jax.Array, tuple[jax.Array, ...]]:
             block = eqx.combine(block_params, static)
             x, entropy, weights, res = block(x)
-            diag = jnp.mean(jnp.diagonal(res, axis1=-2, axis2=-1))
-            ys = (entropy, jnp.mean(weights, axis=0), diag)
+            diag = jnp.mean(jnp.diagonal(res, axis1=-2, axis2=-1), axis=(0, 2, 3))
+            ys = (entropy, jnp.mean(weights, axis=1), diag)
             return x, ys + ((res,) if return_residual_maps else ())
 
         if c.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[c.remat])
         x, ys = jax.lax.scan(layer, x, params)
-        entropy, weights, diag = ys[:3]
+        entropy, weights, diag = ys[:3]  # [layers, B], [layers, B, L], [layers, B]
         logits = self.unembed(x)
-        maps = ys[3].reshape(-1, seq, c.num_streams, c.num_streams) if return_residual_maps else None
-        return ModelOutput(logits=logits, aux_loss=jnp.mean(entropy), scale_weights=jnp.mean(weights, axis=0),
-                           res_diag=jnp.mean(diag), residual_maps=maps)
+        maps = None
+        if return_residual_maps:  # [layers, 2, B, T, n, n] → [B, 2·layers, T, n, n]
+            maps = jnp.moveaxis(ys[3], 2, 0).reshape(batch, -1, seq, c.num_streams, c.num_streams)
+        return ModelOutput(logits=logits, aux_loss=jnp.mean(entropy, axis=0),
+                           scale_weights=jnp.mean(weights, axis=0), res_diag=jnp.mean(diag, axis=0),
+                           residual_maps=maps)

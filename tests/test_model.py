@@ -137,11 +137,26 @@ def test_remat_policies_do_not_change_results():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("residual, attention", [("mhc", "multiscale"), ("plain", "full")])
+def test_native_batch_equals_vmap_over_sequences(residual, attention):
+    """model([B, T]) runs the batch natively; it must equal jax.vmap(model) and model([T]) row by row."""
+    model = LanguageModel(ModelConfig.preset("tiny", residual=residual, attention=attention), key=jax.random.key(0))
+    batch = tokens(batch=3)
+    native = model(batch, return_residual_maps=True)
+    mapped = jax.vmap(lambda t: model(t, return_residual_maps=True))(batch)
+    single = model(batch[1], return_residual_maps=True)
+    for name in ("logits", "aux_loss", "scale_weights", "res_diag", "residual_maps"):
+        got = np.asarray(getattr(native, name))
+        assert got.shape == getattr(mapped, name).shape
+        np.testing.assert_allclose(got, np.asarray(getattr(mapped, name)), rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(got[1], np.asarray(getattr(single, name)), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def test_wrong_token_rank_or_dtype_is_a_type_error_naming_the_mismatch():
     model = LanguageModel(ModelConfig.preset("tiny"), key=jax.random.key(0))
-    with pytest.raises(Exception, match="tokens") as two_d:
-        model(tokens(batch=2))
-    assert "seq" in str(two_d.value)
+    with pytest.raises(Exception, match="tokens") as three_d:
+        model(tokens(batch=2)[None])
+    assert "seq" in str(three_d.value)
     with pytest.raises(Exception, match="tokens") as floats:
         model(jnp.zeros((SEQ,), jnp.float32))
     assert "Int" in str(floats.value) or "int" in str(floats.value)

@@ -23,7 +23,7 @@ class MultiscaleAttention(eqx.Module):
     initialised to mean pooling), queries/keys use that scale's own projections and RoPE with spacing s_l,
     attention is causal over coarse indices, and the result is upsampled *shifted*: fine position i reads
     the last block complete at i. Outputs of the available scales are aggregated per position, then one
-    output projection is applied. Shapes: x [T, D] → ([T, D], weights [T, L], entropy []).
+    output projection is applied. Shapes: x [B, T, D] → ([B, T, D], weights [B, T, L], entropy [B]).
     """
 
     wq: Float[Array, "scales dim heads head_dim"]
@@ -54,56 +54,62 @@ class MultiscaleAttention(eqx.Module):
         self.dtype = dtype
 
     # Per-token pieces, shared by the full-sequence forward below and by incremental decoding
-    # (nash_mhc.decoding), so both run the same math.
-    def values(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq heads head_dim"]:
+    # (nash_mhc.decoding), so both run the same math. Leading axes are batch.
+    def values(self, x: Float[Array, "*batch seq dim"]) -> Float[Array, "*batch seq heads head_dim"]:
         """Shared value projection V = x W_v (x already in the compute dtype)."""
-        return jnp.einsum("td,dhk->thk", x, self.wv.astype(jnp.dtype(self.dtype)))
+        return jnp.einsum("...d,dhk->...hk", x, self.wv.astype(jnp.dtype(self.dtype)))
 
-    def queries_keys(self, level: int, x: Float[Array, "seq dim"], positions: Int[Array, "seq"] | None = None
-                     ) -> tuple[Float[Array, "seq heads head_dim"], Float[Array, "seq heads head_dim"]]:
+    def queries_keys(self, level: int, x: Float[Array, "*batch seq dim"], positions: Int[Array, "seq"] | None = None
+                     ) -> tuple[Float[Array, "*batch seq heads head_dim"], Float[Array, "*batch seq heads head_dim"]]:
         """RoPE'd queries and keys of scale ``level`` for (coarse) tokens at ``positions`` (default 0..seq-1)."""
         dt = jnp.dtype(self.dtype)
         spacing = self.block_sizes[level]
-        q = jnp.einsum("td,dhk->thk", x, self.wq[level].astype(dt))
-        k = jnp.einsum("td,dhk->thk", x, self.wk[level].astype(dt))
+        q = jnp.einsum("...d,dhk->...hk", x, self.wq[level].astype(dt))
+        k = jnp.einsum("...d,dhk->...hk", x, self.wk[level].astype(dt))
         q = rope(q, spacing=spacing, theta=self.rope_theta, positions=positions)
         k = rope(k, spacing=spacing, theta=self.rope_theta, positions=positions)
         return q, k
 
-    def output(self, out: Float[Array, "seq heads head_dim"]) -> Float[Array, "seq dim"]:
+    def output(self, out: Float[Array, "*batch seq heads head_dim"]) -> Float[Array, "*batch seq dim"]:
         """Output projection of the aggregated heads."""
         dt = jnp.dtype(self.dtype)
-        return jnp.einsum("thk,hkd->td", out.astype(dt), self.wo.astype(dt))
+        return jnp.einsum("...hk,hkd->...d", out.astype(dt), self.wo.astype(dt))
 
     def _scale(self, level: int, x: jax.Array, v: jax.Array) -> jax.Array:
-        """Attention output at one scale on its own (coarse) positions: [T_l, H, K]."""
+        """Attention output at one scale on its own (coarse) positions: [B, T_l, H, K]."""
         q, k = self.queries_keys(level, x)
-        return causal_attention(q, k, v)
+        return jax.vmap(causal_attention)(q, k, v)
 
     @jaxtyped(typechecker=beartype)
-    def __call__(self, x: Float[Array, "seq dim"]) -> tuple[
-            Float[Array, "seq dim"], Float[Array, "seq scales"], Float[Array, ""]]:
+    def __call__(self, x: Float[Array, "batch seq dim"]) -> tuple[
+            Float[Array, "batch seq dim"], Float[Array, "batch seq scales"], Float[Array, "batch"]]:
+        """Returns (output, aggregation weights, normalised entropy of the weights per sequence).
+
+        The projections run on the whole batch at once (weight gradients are single matmuls over every
+        token); only the weight-free per-sequence pieces (attention core, aggregation) are vmapped.
+        """
         dt = jnp.dtype(self.dtype)
-        seq, dim = x.shape
+        batch, seq, dim = x.shape
         x = x.astype(dt)
         v = self.values(x)
-        heads, head_dim = v.shape[1:]
+        heads, head_dim = v.shape[-2:]
         fine = self._scale(0, x, v)
         if self.aggregation is None:
             out = fine
-            weights = jnp.ones((seq, 1), jnp.float32)
-            entropy = jnp.zeros((), jnp.float32)
+            weights = jnp.ones((batch, seq, 1), jnp.float32)
+            entropy = jnp.zeros((batch,), jnp.float32)
         else:
-            outputs, masks = [fine.reshape(seq, dim)], [jnp.ones((seq,), bool)]
-            v_flat = v.reshape(seq, dim)
+            outputs, masks = [fine.reshape(batch, seq, dim)], [jnp.ones((seq,), bool)]
+            v_flat = v.reshape(batch, seq, dim)
             for level, block in enumerate(self.block_sizes[1:], start=1):
                 down = self.down[level - 1].astype(dt)
                 x_l = downsample(x, down)
-                v_l = downsample(v_flat, down).reshape(-1, heads, head_dim)
-                o_l = self._scale(level, x_l, v_l).reshape(-1, dim)
+                v_l = downsample(v_flat, down).reshape(batch, -1, heads, head_dim)
+                o_l = self._scale(level, x_l, v_l).reshape(batch, -1, dim)
                 up, avail = upsample_shifted(o_l, seq, block)
                 outputs.append(up)
                 masks.append(avail)
-            combined, weights, entropy = self.aggregation(jnp.stack(outputs, axis=1), jnp.stack(masks, axis=1))
-            out = combined.reshape(seq, heads, head_dim)
+            combined, weights, entropy = jax.vmap(self.aggregation, in_axes=(0, None))(
+                jnp.stack(outputs, axis=2), jnp.stack(masks, axis=1))
+            out = combined.reshape(batch, seq, heads, head_dim)
         return self.output(out), weights, entropy

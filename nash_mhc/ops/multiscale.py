@@ -14,20 +14,21 @@ def num_blocks(seq_len: int, block: int) -> int:
 
 
 @jaxtyped(typechecker=beartype)
-def downsample(x: Float[Array, "seq dim"], weights: Float[Array, "block dim"]) -> Float[Array, "blocks dim"]:
+def downsample(x: Float[Array, "*batch seq dim"], weights: Float[Array, "block dim"]
+               ) -> Float[Array, "*batch blocks dim"]:
     """Coarse token j = Σ_o weights[o] ⊙ x[j·s + o]: a depthwise strided conv with kernel = stride = s.
 
     It sees nothing outside its own block. A trailing partial block is zero-padded; its coarse token is
-    never read by :func:`upsample_shifted`, so padding cannot leak into any output.
+    never read by :func:`upsample_shifted`, so padding cannot leak into any output. Leading axes are batch.
     """
-    seq, dim = x.shape
+    *batch, seq, dim = x.shape
     block = weights.shape[0]
     blocks = num_blocks(seq, block)
     pad = blocks * block - seq
     if pad:
-        x = jnp.concatenate([x, jnp.zeros((pad, dim), x.dtype)], axis=0)
-    x = x.reshape(blocks, block, dim)
-    return jnp.einsum("bod,od->bd", x, weights.astype(x.dtype))
+        x = jnp.concatenate([x, jnp.zeros((*batch, pad, dim), x.dtype)], axis=-2)
+    x = x.reshape(*batch, blocks, block, dim)
+    return jnp.einsum("...bod,od->...bd", x, weights.astype(x.dtype))
 
 
 def available_mask(seq_len: int, block: int) -> np.ndarray:
@@ -36,19 +37,19 @@ def available_mask(seq_len: int, block: int) -> np.ndarray:
 
 
 @jaxtyped(typechecker=beartype)
-def upsample_shifted(y: Float[Array, "blocks dim"], seq_len: int, block: int
-                     ) -> tuple[Float[Array, "seq dim"], Bool[Array, "seq"]]:
+def upsample_shifted(y: Float[Array, "*batch blocks dim"], seq_len: int, block: int
+                     ) -> tuple[Float[Array, "*batch seq dim"], Bool[Array, "seq"]]:
     """Fine position i reads coarse output ⌊(i+1)/s⌋ − 1, the last block complete at i.
 
     Implemented as a block repeat shifted right by s − 1 positions; the first s − 1 positions have no
-    complete block, get zeros and ``available = False``.
+    complete block, get zeros and ``available = False``. Leading axes are batch.
     """
-    blocks, dim = y.shape
+    *batch, blocks, dim = y.shape
     if block == 1:
-        return y[:seq_len], jnp.ones((seq_len,), bool)
-    repeated = jnp.repeat(y, block, axis=0, total_repeat_length=blocks * block)
+        return y[..., :seq_len, :], jnp.ones((seq_len,), bool)
     keep = seq_len - (block - 1)
     if keep <= 0:
-        return jnp.zeros((seq_len, dim), y.dtype), jnp.zeros((seq_len,), bool)
-    shifted = jnp.concatenate([jnp.zeros((block - 1, dim), y.dtype), repeated[:keep]], axis=0)
+        return jnp.zeros((*batch, seq_len, dim), y.dtype), jnp.zeros((seq_len,), bool)
+    repeated = jnp.repeat(y, block, axis=-2, total_repeat_length=blocks * block)
+    shifted = jnp.concatenate([jnp.zeros((*batch, block - 1, dim), y.dtype), repeated[..., :keep, :]], axis=-2)
     return shifted, jnp.asarray(available_mask(seq_len, block))

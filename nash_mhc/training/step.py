@@ -114,7 +114,7 @@ def forward_terms(model: LanguageModel, inputs: Int[Array, "batch seq"], targets
 
     diagnostics [L + 1]: batch means of the aggregation weight of every scale, then of diag(H_res).
     """
-    out = jax.vmap(model)(inputs)
+    out = model(inputs)  # native batch: [B, T] → logits [B, T, V]
     ce_sum, count, aux_sum = loss_terms(out.logits, targets, mask, out.aux_loss, mesh)
     diagnostics = jnp.concatenate([jnp.mean(out.scale_weights, axis=0), jnp.mean(out.res_diag)[None]])
     return ce_sum, count, aux_sum, jax.lax.stop_gradient(diagnostics)
