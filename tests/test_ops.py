@@ -129,3 +129,21 @@ def test_rope_depends_on_relative_position_times_spacing():
     np.testing.assert_allclose(score(2, 1, 4), score(8, 4, 1), rtol=1e-4, atol=1e-5)
     norms = jnp.linalg.norm(rope(jnp.broadcast_to(q, (seq, 2, 16)), spacing=3), axis=-1)
     np.testing.assert_allclose(norms, jnp.broadcast_to(jnp.linalg.norm(q, axis=-1), (seq, 2)), rtol=1e-5)
+
+
+def test_causal_block_skipping_equals_the_full_masked_matrix():
+    """causal_attention scores query chunk c only against keys up to its end; the result must be the
+    full masked attention (same numbers: the skipped blocks are exactly-zero probabilities)."""
+    from nash_mhc.ops.attention import causal_attention, masked_attention, query_chunks
+
+    assert [query_chunks(s) for s in (21, 64, 128, 192, 256, 1000, 2048)] == [1, 1, 2, 3, 4, 8, 8]
+    for seq in (128, 192, 256):
+        q, k, v = (jax.random.normal(jax.random.key(i), (seq, 2, 8)) for i in range(3))
+        tril = jnp.tril(jnp.ones((seq, seq), bool))
+        full = masked_attention(q, k, v, tril)
+        np.testing.assert_allclose(np.asarray(causal_attention(q, k, v)), np.asarray(full), rtol=1e-6, atol=1e-6)
+        grads = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(causal_attention(q, k, v))), argnums=(0, 1, 2))(q, k, v)
+        full_grads = jax.grad(lambda q, k, v, m: jnp.sum(jnp.sin(masked_attention(q, k, v, m))),
+                              argnums=(0, 1, 2))(q, k, v, tril)
+        for got, want in zip(grads, full_grads, strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

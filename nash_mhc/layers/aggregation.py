@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
@@ -32,7 +33,16 @@ class ScaleAggregation(eqx.Module):
     @jaxtyped(typechecker=beartype)
     def __call__(self, outputs: Float[Array, "seq scales dim"], available: Bool[Array, "seq scales"]
                  ) -> tuple[Float[Array, "seq dim"], Float[Array, "seq scales"], Float[Array, ""]]:
-        """Returns (combined output, weights (0 on unavailable scales), normalised entropy)."""
+        """Returns (combined output, weights (0 on unavailable scales), normalised entropy).
+
+        Rematerialised: the backward pass keeps the stacked outputs and re-runs the best-response
+        iterations instead of saving their [T, L, D] intermediates.
+        """
         iters = self.num_iters if self.mode == "nash" else 0
-        weights = nash_weights(outputs, available, self.prior, num_iters=iters, temperature=self.temperature)
-        return combine(outputs, weights), weights, normalised_entropy(weights, available)
+
+        @jax.checkpoint
+        def aggregate(outputs: jax.Array, prior: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            weights = nash_weights(outputs, available, prior, num_iters=iters, temperature=self.temperature)
+            return combine(outputs, weights), weights, normalised_entropy(weights, available)
+
+        return aggregate(outputs, self.prior)
