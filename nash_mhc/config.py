@@ -212,12 +212,16 @@ class ModelConfig(ConfigMethods):
         """Training FLOPs per token (forward + backward).
 
         Convention (PaLM appendix B, made causal and multiscale): ``6 * N_matmul`` for the weight matmuls
-        (every layer matmul incl. the mHC Φ, plus the LM head) and, per layer and scale l with coarse length
-        T_l = T / s_l, ``6 * D * T_l**2 / T`` for causal QKᵀ and AV (half of the non-causal 12·D·T_l²/T).
+        (every layer matmul incl. the mHC Φ, plus the LM head), where a coarse scale's own Q and K
+        projections (2·D² each scale l ≥ 1) see one coarse token per s_l fine tokens and so count 1/s_l;
+        and, per layer and scale l with coarse length T_l = T / s_l, ``6 * D * T_l**2 / T`` for causal QKᵀ
+        and AV (half of the non-causal 12·D·T_l²/T).
         """
         T = self.seq_len if seq_len is None else seq_len
+        coarse_qk = sum(2 * self.d_model**2 * (1 - 1 / s) for s in self.block_sizes[1:])
+        weights = self.matmul_params() - self.num_layers * coarse_qk
         attn = sum(6 * self.d_model * (T / s) ** 2 / T for s in self.block_sizes)
-        return 6.0 * self.matmul_params() + self.num_layers * attn
+        return 6.0 * weights + self.num_layers * attn
 
 
 def describe(config: ModelConfig) -> str:

@@ -78,5 +78,7 @@ def test_flops_convention():
     assert config.flops_per_token() == pytest.approx(expected)
     multiscale = config.replace(attention="multiscale", num_scales=3)
     extra = multiscale.num_layers * sum(6 * D * T / s**2 for s in multiscale.block_sizes[1:])
-    assert multiscale.flops_per_token() == pytest.approx(6 * multiscale.matmul_params()
+    # coarse scales' own Q, K projections run on T / s_l tokens: 2·D² per scale, counted 1/s_l per token
+    coarse_qk = multiscale.num_layers * sum(6 * 2 * D * D * (1 - 1 / s) for s in multiscale.block_sizes[1:])
+    assert multiscale.flops_per_token() == pytest.approx(6 * multiscale.matmul_params() - coarse_qk
                                                          + config.num_layers * 6 * D * T + extra)
