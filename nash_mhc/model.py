@@ -43,7 +43,7 @@ class ModelOutput(eqx.Module):
 
 
 class Block(eqx.Module):
-    """One transformer block: two hyper-connected sublayers (attention, then SwiGLU) on X [T, n, D]."""
+    """One transformer block: two hyper-connected sublayers (attention, then SwiGLU) on X [B, T, n, D]."""
 
     attn_hc: HyperConnection
     attn_norm: RMSNorm
@@ -67,14 +67,17 @@ class Block(eqx.Module):
         self.ffn = SwiGLU(c.d_model, c.ffn_hidden, num_layers=c.num_layers, dtype=c.dtype, key=k4)
 
     @jaxtyped(typechecker=beartype)
-    def __call__(self, x: Float[Array, "batch seq n dim"]) -> tuple[
-            Float[Array, "batch seq n dim"], Float[Array, "batch"], Float[Array, "batch seq scales"],
-            Float[Array, "2 batch seq n n"]]:
+    def __call__(self, x: Float[Array, "*batch seq n dim"]) -> tuple[
+            Float[Array, "*batch seq n dim"], Float[Array, "*batch"], Float[Array, "*batch seq scales"],
+            Float[Array, "2 *batch seq n n"]]:
         """Returns (X, aggregation entropy per sequence, aggregation weights, H_res of both sublayers).
 
         The hyper-connections, norms and FFN are per token and run on the flattened [B·T, ...] tokens;
-        attention gets them back as [B, T, D] sequences.
+        attention gets them back as [B, T, D] sequences. One sequence [T, n, D] is run as a batch of one.
         """
+        if x.ndim == 3:
+            x, entropy, weights, res = self(x[None])
+            return x[0], entropy[0], weights[0], res[:, 0]
         batch, seq, n, dim = x.shape
         stats = {}
 
@@ -90,7 +93,7 @@ class Block(eqx.Module):
 
 
 class LanguageModel(eqx.Module):
-    """Decoder-only Nash-MHC language model on one token sequence (``jax.vmap`` for batches).
+    """Decoder-only Nash-MHC language model on tokens [T] or a batch [B, T] (``jax.vmap`` also works).
 
     The streams are created once after the embedding (n copies) and collapsed once before the final
     norm by summing over streams (the final RMSNorm makes the sum's scale irrelevant). Blocks are stacked

@@ -9,8 +9,8 @@ Mesh axes (always all three, size-1 axes kept, in this order):
 
 The batch is split over ``("data", "fsdp")`` (:data:`BATCH_AXES`); sequence positions are never split.
 
-Axis types: every axis is ``AxisType.Auto``. The model code is written mesh-agnostic (plain einsums, ``vmap``
-over the batch) and GSPMD propagates the shardings we pin on parameters, batch and logits; the places where
+Axis types: every axis is ``AxisType.Auto``. The model code is written mesh-agnostic (plain einsums over a
+leading batch axis) and GSPMD propagates the shardings we pin on parameters, batch and logits; the places where
 communication matters for correctness or memory (vocab-parallel cross-entropy, the global token count) are
 written by hand in ``jax.shard_map`` (see :mod:`nash_mhc.training.step`). This is MaxText's arrangement.
 ``Explicit`` axes would make every op whose output sharding is ambiguous (e.g. a contraction over an

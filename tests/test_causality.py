@@ -38,3 +38,18 @@ def test_future_tokens_never_change_past_logits(residual, attention, aggregation
             logits = np.asarray(forward(model, jnp.asarray(changed)))
             assert np.array_equal(logits[:k], reference[:k]), f"T={seq}: token {k} changed an earlier logit"
             assert not np.array_equal(logits[k], reference[k]), f"T={seq}: token {k} had no effect at {k}"
+
+
+def test_causality_across_attention_query_chunks():
+    """At T = 128 causal_attention splits queries into two chunks of 64 (block skipping); changing a token
+    on either side of the chunk boundary must still leave every earlier logit bit-identical."""
+    config = ModelConfig.preset("tiny", seq_len=128, num_layers=2)
+    model = LanguageModel(config, key=jax.random.key(0))
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, config.vocab_size, 128)
+    positions = (1, 40, 63, 64, 65, 100, 127)
+    batch = np.stack([base] + [np.concatenate([base[:k], (base[k:] + 1) % config.vocab_size]) for k in positions])
+    logits = np.asarray(eqx.filter_jit(lambda m, t: m(t).logits)(model, jnp.asarray(batch)))
+    for row, k in enumerate(positions, start=1):
+        assert np.array_equal(logits[row, :k], logits[0, :k]), f"token {k} changed an earlier logit"
+        assert not np.array_equal(logits[row, k], logits[0, k]), f"token {k} had no effect at {k}"

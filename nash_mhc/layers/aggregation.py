@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -40,7 +42,7 @@ class ScaleAggregation(eqx.Module):
         """
         iters = self.num_iters if self.mode == "nash" else 0
 
-        @jax.checkpoint
+        @functools.partial(jax.checkpoint, prevent_cse=False)
         def aggregate(outputs: jax.Array, prior: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
             weights = nash_weights(outputs, available, prior, num_iters=iters, temperature=self.temperature)
             return combine(outputs, weights), weights, normalised_entropy(weights, available)

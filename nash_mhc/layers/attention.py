@@ -81,13 +81,17 @@ class MultiscaleAttention(eqx.Module):
         return jax.vmap(causal_attention)(q, k, v)
 
     @jaxtyped(typechecker=beartype)
-    def __call__(self, x: Float[Array, "batch seq dim"]) -> tuple[
-            Float[Array, "batch seq dim"], Float[Array, "batch seq scales"], Float[Array, "batch"]]:
+    def __call__(self, x: Float[Array, "*batch seq dim"]) -> tuple[
+            Float[Array, "*batch seq dim"], Float[Array, "*batch seq scales"], Float[Array, "*batch"]]:
         """Returns (output, aggregation weights, normalised entropy of the weights per sequence).
 
         The projections run on the whole batch at once (weight gradients are single matmuls over every
-        token); only the weight-free per-sequence pieces (attention core, aggregation) are vmapped.
+        token); only the weight-free per-sequence pieces (attention core, aggregation) are vmapped. One
+        sequence [T, D] is run as a batch of one.
         """
+        if x.ndim == 2:
+            out, weights, entropy = self(x[None])
+            return out[0], weights[0], entropy[0]
         dt = jnp.dtype(self.dtype)
         batch, seq, dim = x.shape
         x = x.astype(dt)

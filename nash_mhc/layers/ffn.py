@@ -35,7 +35,8 @@ class SwiGLU(eqx.Module):
         return _swiglu(x.astype(dt), self.w_gate.astype(dt), self.w_up.astype(dt), self.w_down.astype(dt))
 
 
-@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names("gate", "up"))
+@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names("gate", "up"),
+                   prevent_cse=False)
 def _swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """The backward pass keeps x and the two [T, F] projections; silu and the product are recomputed."""
     gate = checkpoint_name(x @ w_gate, "gate")

@@ -19,11 +19,10 @@ def masked_attention(q: Float[Array, "query heads head_dim"], k: Float[Array, "k
     Rematerialised: the backward pass keeps q, k, v and recomputes the [H, Tq, Tk] probabilities instead
     of saving them (one extra QKᵀ matmul for no score-sized residuals).
     """
-    return _masked_attention(q, k, v, mask)
+    return jax.checkpoint(_attention_core, prevent_cse=False)(q, k, v, mask)
 
 
-@jax.checkpoint
-def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def _attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     head_dim = q.shape[-1]
     scores = jnp.einsum("qhk,shk->hqs", q, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / head_dim**0.5)
@@ -56,14 +55,19 @@ def causal_attention(q: Float[Array, "seq heads head_dim"], k: Float[Array, "seq
     Masked scores are -inf, so their probabilities are exactly 0 and a change at key j can never change
     the output at a query i < j, bit for bit. Causal block skipping: the queries are split into
     :func:`query_chunks` chunks and chunk c is scored only against keys [0, end of chunk c), so the
-    all-masked upper blocks of the score matrix are never computed.
+    all-masked upper blocks of the score matrix are never computed. Rematerialised as a whole: the
+    backward pass keeps q, k, v and recomputes the probabilities chunk by chunk.
     """
+    return jax.checkpoint(_block_causal, static_argnums=(3,), prevent_cse=False)(q, k, v, query_chunks(q.shape[0]))
+
+
+def _block_causal(q: jax.Array, k: jax.Array, v: jax.Array, chunks: int) -> jax.Array:
+    """The chunk loop of :func:`causal_attention`, slicing inside the checkpoint so only q, k, v are kept."""
     seq = q.shape[0]
-    chunks = query_chunks(seq)
     size = seq // chunks
     outputs = []
     for chunk in range(chunks):
         start, end = chunk * size, (chunk + 1) * size
         mask = jnp.tril(jnp.ones((size, end), bool), k=start)  # query start+i sees keys j <= start+i
-        outputs.append(masked_attention(q[start:end], k[:end], v[:end], mask))
+        outputs.append(_attention_core(q[start:end], k[:end], v[:end], mask))
     return outputs[0] if chunks == 1 else jnp.concatenate(outputs, axis=0)

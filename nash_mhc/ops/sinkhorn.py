@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from beartype import beartype
@@ -27,7 +29,8 @@ def sinkhorn(logits: Float[Array, "*batch n n"], num_iters: int = 20) -> Float[A
         z = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)  # rows sum to 1
         return z, None
 
-    @jax.checkpoint  # the backward pass re-runs the iterations instead of saving all of them
+    # the backward pass re-runs the iterations instead of saving all of them
+    @functools.partial(jax.checkpoint, prevent_cse=False)
     def project(z: jax.Array) -> jax.Array:
         z, _ = jax.lax.scan(normalise, z, None, length=num_iters)
         return jnp.exp(z)
