@@ -19,5 +19,6 @@ from jaxtyping import install_import_hook  # noqa: E402
 # session, on top of the decorators the package applies itself.
 with install_import_hook("nash_mhc", "beartype.beartype"):
     import nash_mhc  # noqa: F401
+    import nash_mhc.data  # noqa: F401  (not imported by the package __init__)
 
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from jaxtyping import install_import_hook
 
-# The package __init__ does not import nash_mhc.data (yet), so the conftest hook may not have covered it.
-if "nash_mhc.data" not in sys.modules:
-    with install_import_hook("nash_mhc.data", "beartype.beartype"):
-        import nash_mhc.data  # noqa: F401
-
-from nash_mhc.data import (  # noqa: E402
+from nash_mhc.data import (
     ByteTokenizer,
     PackedDataset,
     Prefetcher,

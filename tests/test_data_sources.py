@@ -10,18 +10,12 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from jaxtyping import install_import_hook
 
-if "nash_mhc.data" not in sys.modules:
-    with install_import_hook("nash_mhc.data", "beartype.beartype"):
-        import nash_mhc.data  # noqa: F401
-
-from nash_mhc.data import (  # noqa: E402
+from nash_mhc.data import (
     ByteTokenizer,
     DiskDatasetSource,
     FileSource,
