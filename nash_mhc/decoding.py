@@ -232,7 +232,7 @@ class Sampling:
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from nash_mhc.cli import DEFAULT_COMPILE_CACHE, OneLineParser, fail, use_compile_cache
+from nash_mhc.decoding import Sampling
 from nash_mhc.decoding import generate as _generate
 
 DEFAULT_NEW_TOKENS = 200
@@ -56,12 +57,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if not args.temperature >= 0:
-        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
-    if args.top_k < 0:
-        raise ValueError(f"--top-k must be >= 0 (0: off), got {args.top_k}")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}")
+    try:  # the sampling ranges are Sampling's own checks; its messages start with the setting's name
+        Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as error:
+        raise ValueError(f"--{error}") from None
     if args.step is not None and args.step < 0:
         raise ValueError(f"--step must be >= 0, got {args.step}")
 
