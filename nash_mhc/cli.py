@@ -26,6 +26,19 @@ def fail(error: str | BaseException) -> int:
     return EXIT_USAGE
 
 
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--checkpoint-dir`` (required) and ``--step``: the programs that load a trained checkpoint."""
+    parser.add_argument("--checkpoint-dir", required=True,
+                        help="training run directory (its latest checkpoint) or one step directory inside it")
+    parser.add_argument("--step", type=int, help="checkpoint step to load (default: the latest)")
+
+
+def add_compile_cache_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--compile-cache-dir`` (default :data:`DEFAULT_COMPILE_CACHE`), read by :func:`use_compile_cache`."""
+    parser.add_argument("--compile-cache-dir", default=DEFAULT_COMPILE_CACHE,
+                        help="persistent XLA compilation cache ('none' disables)")
+
+
 def use_compile_cache(directory: str | None) -> None:
     """Point JAX's persistent compilation cache at ``directory`` (local or gs://); None/'none' leaves it off."""
     if not directory or directory.lower() == "none":

@@ -14,23 +14,20 @@ import argparse
 import json
 import sys
 
-from nash_mhc.cli import DEFAULT_COMPILE_CACHE, OneLineParser, fail, use_compile_cache
+from nash_mhc.cli import OneLineParser, add_checkpoint_arguments, add_compile_cache_argument, fail, use_compile_cache
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m nash_mhc.evaluate", description=__doc__.splitlines()[0],
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint-dir", required=True,
-                   help="training run directory (its latest checkpoint) or one step directory inside it")
-    p.add_argument("--step", type=int, help="checkpoint step to load (default: the latest)")
+    add_checkpoint_arguments(p)
     p.add_argument("--dataset", help="'stdlib' or 'synthetic' (default: the dataset the run trained on)")
     p.add_argument("--split", default="eval", choices=("eval", "train"), help="split to evaluate on")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
     p.add_argument("--num-batches", type=int, default=16,
                    help="batches to evaluate (0: the whole split; capped at one pass over it)")
     p.add_argument("--untrained", action="store_true", help="evaluate the run's step-0 initialisation")
-    p.add_argument("--compile-cache-dir", default=DEFAULT_COMPILE_CACHE,
-                   help="persistent XLA compilation cache ('none' disables)")
+    add_compile_cache_argument(p)
     return p
 
 

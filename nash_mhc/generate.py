@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nash_mhc.cli import DEFAULT_COMPILE_CACHE, OneLineParser, fail, use_compile_cache
+from nash_mhc.cli import OneLineParser, add_checkpoint_arguments, add_compile_cache_argument, fail, use_compile_cache
 from nash_mhc.decoding import Sampling
 from nash_mhc.decoding import generate as _generate
 
@@ -29,9 +29,7 @@ DEFAULT_NEW_TOKENS = 200
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m nash_mhc.generate", description=__doc__.splitlines()[0],
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint-dir", required=True,
-                   help="training run directory (its latest checkpoint) or one step directory inside it")
-    p.add_argument("--step", type=int, help="checkpoint step to load (default: the latest)")
+    add_checkpoint_arguments(p)
     p.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
     p.add_argument("--max-new-tokens", type=int,
                    help=f"tokens to generate; prompt + new tokens must fit the model's context (default: "
@@ -46,8 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute the full forward pass for every token (slow; the cache's reference)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-document token")
     p.add_argument("--untrained", action="store_true", help="use the run's step-0 initialisation (a baseline)")
-    p.add_argument("--compile-cache-dir", default=DEFAULT_COMPILE_CACHE,
-                   help="persistent XLA compilation cache ('none' disables)")
+    add_compile_cache_argument(p)
     return p
 
 

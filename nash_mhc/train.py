@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from nash_mhc.cli import DEFAULT_COMPILE_CACHE, OneLineParser, fail, use_compile_cache
+from nash_mhc.cli import OneLineParser, add_compile_cache_argument, fail, use_compile_cache
 from nash_mhc.config import AGGREGATION_MODES, ATTENTION_MODES, DTYPES, REMAT_POLICIES, RESIDUAL_MODES, ModelConfig
 
 
@@ -79,8 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-steps", type=int, default=4, help="batches per evaluation")
     g.add_argument("--max-nonfinite-steps", type=int, default=10,
                    help="abort after this many consecutive non-finite losses")
-    g.add_argument("--compile-cache-dir", default=DEFAULT_COMPILE_CACHE,
-                   help="persistent XLA compilation cache ('none' disables)")
+    add_compile_cache_argument(g)
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     return p
 
