@@ -11,7 +11,7 @@ from nash_mhc.model import Block, LanguageModel, ModelOutput
 from nash_mhc.sharding import MeshError, make_mesh
 from nash_mhc.training import TrainConfig
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["Block", "LanguageModel", "MeshError", "ModelConfig", "ModelOutput", "TrainConfig", "make_mesh", "ops",
            "training", "__version__"]

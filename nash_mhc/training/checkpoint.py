@@ -27,6 +27,27 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read, or does not fit the run that tries to resume it."""
 
 
+# Version of the model's function and parameter tree, written into every checkpoint's metadata. Format 2
+# (nash_mhc 0.2): the Nash aggregation is a converged equilibrium with a learned temperature, coarse-scale
+# inputs are renormalised after pooling, and ``residual="hc"`` is the published Hyper-Connections.
+MODEL_FORMAT = 2
+FORMAT_CHANGES = {
+    1: "since format 1 (nash_mhc 0.1) the Nash aggregation gained a learned temperature and solves for its "
+       "equilibrium, coarse-scale inputs are renormalised after pooling, and residual 'hc' became the published "
+       "Hyper-Connections, so its weights would compute a different model; retrain, or load it with "
+       "nash_mhc 0.1",
+}
+
+
+def check_format(meta: dict[str, Any], where: str) -> None:
+    """Raise :class:`CheckpointError` (one line) unless ``meta`` was written with :data:`MODEL_FORMAT`."""
+    found = meta.get("model_format", 1)
+    if found != MODEL_FORMAT:
+        why = FORMAT_CHANGES.get(found, "it was written by a newer nash_mhc") if isinstance(found, int) else ""
+        raise CheckpointError(f"checkpoint {where} has model format {found!r}, this nash_mhc reads format "
+                              f"{MODEL_FORMAT}: {why}")
+
+
 def _is_shape(x: object) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct | jax.Array)
 
@@ -74,6 +95,7 @@ class Checkpointer:
 
     def save(self, step: int, state: PyTree, meta: dict[str, Any], *, force: bool = True) -> bool:
         """Start an asynchronous save of ``state`` and ``meta`` at ``step`` (device→host copy is done here)."""
+        meta = {**meta, "model_format": MODEL_FORMAT}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state_arrays(state)),
                                   meta=ocp.args.JsonSave(meta))
         return self.manager.save(step, args=args, force=force)
@@ -83,12 +105,15 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def read_meta(self, step: int) -> dict[str, Any]:
+        """The JSON metadata of ``step``; raises :class:`CheckpointError` if unreadable or of another format."""
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-            return dict(restored["meta"])
+            meta = dict(restored["meta"])
         except Exception as error:  # noqa: BLE001 - any read failure means an unusable checkpoint
             raise CheckpointError(f"cannot read checkpoint metadata at {self.directory}/{step}: "
                                   f"{type(error).__name__}: {str(error).splitlines()[0][:200]}") from error
+        check_format(meta, f"{self.directory}/{step}")
+        return meta
 
     def restore(self, step: int, template: PyTree) -> PyTree:
         """Restore the state at ``step`` onto the shardings of ``template`` (arrays or ShapeDtypeStructs)."""

@@ -1,0 +1,42 @@
+"""Checkpoints written before the model's function changed (model format 1) are refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+
+from nash_mhc import ModelConfig, TrainConfig, make_mesh
+from nash_mhc.evaluate import main as evaluate_main
+from nash_mhc.train import main as train_main
+from nash_mhc.training import init_train_state
+from nash_mhc.training.checkpoint import MODEL_FORMAT, Checkpointer
+
+
+def test_a_format_1_checkpoint_is_refused_with_one_line_naming_the_change(tmp_path, capsys):
+    config, train_config = ModelConfig.preset("tiny"), TrainConfig(batch_size=8, total_steps=10, warmup_steps=1)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    state = init_train_state(config, train_config, mesh, key=jax.random.key(0))
+    run = tmp_path / "run"
+    checkpointer = Checkpointer(run)
+    meta = {"step": 1, "model_config": config.to_dict(), "train_config": train_config.to_dict(),
+            "data": {"dataset": "synthetic", "tokenizer": "bytes", "next_step": 1}}
+    checkpointer.save(1, state, meta)
+    checkpointer.wait()
+    checkpointer.close()
+    (meta_file,) = [p for p in run.glob("1/meta/*") if p.is_file() and p.read_text().startswith("{")]
+    saved = json.loads(meta_file.read_text())
+    assert saved["model_format"] == MODEL_FORMAT == 2
+    del saved["model_format"]  # what nash_mhc 0.1 wrote
+    meta_file.write_text(json.dumps(saved))
+    before = sorted(str(p) for p in run.rglob("*"))
+
+    code = train_main(["--model", "tiny", "--dataset", "synthetic", "--no-progress", "--compile-cache-dir", "none",
+                       "--batch-size", "8", "--total-steps", "2", "--checkpoint-dir", str(run)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "model format 1" in err and "learned temperature" in err and "Hyper-Connections" in err
+    code = evaluate_main(["--checkpoint-dir", str(run), "--compile-cache-dir", "none"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model format 1" in err and len(err.strip().splitlines()) == 1
+    assert sorted(str(p) for p in run.rglob("*")) == before
