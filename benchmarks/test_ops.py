@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from nash_mhc import ModelConfig
 from nash_mhc.ops import nash_weights, sinkhorn
 
 
@@ -27,6 +28,6 @@ def test_nash_aggregation(benchmark, timed, scales, tokens):
     outputs = jax.random.normal(jax.random.key(0), (tokens, scales, dim))
     available = jnp.ones((tokens, scales), bool)
     prior = jnp.zeros((scales,))
-    weights = jax.jit(functools.partial(nash_weights, num_iters=3, temperature=1.0))
-    timed(weights, outputs, available, prior, rounds=20)
+    weights = jax.jit(functools.partial(nash_weights, num_iters=ModelConfig().nash_iters))
+    timed(weights, outputs, available, prior, jnp.asarray(0.1), rounds=20)
     benchmark.extra_info["positions_per_second"] = round(tokens / benchmark.stats.stats.mean)

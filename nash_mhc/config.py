@@ -56,6 +56,11 @@ class ModelConfig(ConfigMethods):
       * ``residual="plain"`` forces ``num_streams = 1`` (the plain pre-norm baseline has one stream);
       * ``attention="full"`` forces ``num_scales = 1`` (scale 0 only);
       * ``ffn_hidden=0`` means "derive from d_model" (:func:`default_ffn_hidden`).
+
+    Nash aggregation (:mod:`nash_mhc.ops.aggregation`): ``nash_iters`` best-response steps per position
+    (the residual is at most sqrt(2)·2^-nash_iters, so 16 give <= 2.2e-5); ``nash_temperature`` is the
+    initial value of each layer's learned temperature tau (the game adds 2|C|_F to it, which keeps the
+    equilibrium unique whatever tau learns).
     """
 
     vocab_size: int = 259
@@ -70,8 +75,8 @@ class ModelConfig(ConfigMethods):
     attention: str = "multiscale"
     aggregation: str = "nash"
     sinkhorn_iters: int = 20
-    nash_iters: int = 3
-    nash_temperature: float = 1.0
+    nash_iters: int = 16
+    nash_temperature: float = 0.1
     sparsity_weight: float = 0.01
     dtype: str = "float32"
     ffn_hidden: int = 0
@@ -108,8 +113,8 @@ class ModelConfig(ConfigMethods):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 fail(f"{name} must be a positive integer, got {value!r}")
-        if self.nash_iters < 0:
-            fail(f"nash_iters must be >= 0, got {self.nash_iters}")
+        if not isinstance(self.nash_iters, int) or isinstance(self.nash_iters, bool) or self.nash_iters < 1:
+            fail(f"nash_iters must be a positive integer, got {self.nash_iters!r}")
         if self.compression_ratio < 2:
             fail(f"compression_ratio must be >= 2, got {self.compression_ratio}")
         for name, value, allowed in (("residual", self.residual, RESIDUAL_MODES),
@@ -123,8 +128,10 @@ class ModelConfig(ConfigMethods):
             fail(f"num_heads={self.num_heads} must divide d_model={self.d_model}")
         if (self.d_model // self.num_heads) % 2:
             fail(f"head dim d_model/num_heads={self.d_model // self.num_heads} must be even for RoPE")
-        if self.nash_temperature <= 0 or self.norm_eps <= 0:
-            fail("nash_temperature and norm_eps must be > 0")
+        for name in ("nash_temperature", "norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
+                fail(f"{name} must be a finite number > 0, got {value!r}")
         if self.sparsity_weight < 0:
             fail(f"sparsity_weight must be >= 0, got {self.sparsity_weight}")
         if self.ffn_hidden < 0:
@@ -171,9 +178,10 @@ class ModelConfig(ConfigMethods):
 
     @property
     def num_hc_coefficients(self) -> int:
-        """Columns of the fused mHC projection Φ: n (pre) + n (post) + n² (res)."""
+        """Columns of the projection Φ: mhc n (pre) + n (post) + n² (res) over all n·D values; hc 1 (pre) +
+        1 (post) + n (res) over each stream's D values."""
         n = self.num_streams
-        return 2 * n + n * n
+        return 2 * n + n * n if self.residual == "mhc" else 2 + n
 
     # ---------------------------------------------------------------------------- parameter count
     def param_counts(self) -> dict[str, int]:
@@ -181,14 +189,15 @@ class ModelConfig(ConfigMethods):
         D, F, V, n, S = self.d_model, self.ffn_hidden, self.padded_vocab_size, self.num_streams, self.num_scales
         attn_matmul = 2 * S * D * D + 2 * D * D  # per-scale Q,K; shared V; output
         downsample = sum(self.block_sizes[1:]) * D
-        aggregation = S if S > 1 else 0
+        aggregation = 0 if S == 1 else S + (1 if self.aggregation == "nash" else 0)  # prior (+ temperature)
         ffn_matmul = 3 * D * F
         norms = 2 * D
         hc = 0
         hc_matmul = 0
         if n > 1:
-            hc_matmul = 2 * n * D * self.num_hc_coefficients  # Φ for both sublayers
-            hc = 2 * (n * D + 3 + self.num_hc_coefficients)  # norm gain, α_pre/post/res, biases
+            rows = n * D if self.residual == "mhc" else D  # Φ sees the flattened streams (mhc) or one stream (hc)
+            hc_matmul = 2 * rows * self.num_hc_coefficients  # Φ for both sublayers
+            hc = 2 * (rows + 3 + 2 * n + n * n)  # norm gain, α_pre/post/res, b_pre, b_post, b_res
         per_layer_matmul = attn_matmul + ffn_matmul + hc_matmul
         per_layer_other = downsample + aggregation + norms + hc
         embed = V * D
@@ -205,8 +214,14 @@ class ModelConfig(ConfigMethods):
         return sum(self.param_counts().values())
 
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token: layer matmuls and the LM head."""
-        return self.param_counts()["layers_matmul"] + self.padded_vocab_size * self.d_model
+        """Multiply-adds per token of the weight matmuls: layer matmuls and the LM head.
+
+        Each parameter counts once, except hc's per-stream Θ, which every one of the n streams uses.
+        """
+        hc_reuse = 0
+        if self.residual == "hc" and self.num_streams > 1:
+            hc_reuse = (self.num_streams - 1) * 2 * self.d_model * self.num_hc_coefficients * self.num_layers
+        return self.param_counts()["layers_matmul"] + hc_reuse + self.padded_vocab_size * self.d_model
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward).

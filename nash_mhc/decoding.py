@@ -11,7 +11,8 @@ it is written):
   completed block. Coarse block j covers fine positions [j·s_l, (j+1)·s_l) of the attention sublayer's
   (normed) input, so it is complete — and is computed, once — exactly when its last fine token arrives. For
   that the cache keeps a ring of the last s_{L-1} normed inputs (the coarsest block; every finer block is a
-  suffix of it) and reads the block's values back from the scale-0 value cache. Fine position i then reads
+  suffix of it; its coarse token is pooled and renormalised exactly as in the forward pass) and reads the
+  block's values back from the scale-0 value cache. Fine position i then reads
   the output of block ⌊(i+1)/s_l⌋ − 1 (available iff i + 1 ≥ s_l), as the full forward's shifted upsampling
   does, and the Nash/convex aggregation is recomputed for the current position alone;
 * the mHC streams: nothing. Every hyper-connection coefficient, norm and FFN is per token.
@@ -146,9 +147,8 @@ def _attention_step(attn: MultiscaleAttention, x: Float[Array, "1 dim"], cache: 
         start = jnp.maximum(position + 1 - block, 0)
         x_block = jax.lax.dynamic_slice_in_dim(inputs[layer], start % ring_size, block)
         v_block = _seq_major(jax.lax.dynamic_slice_in_dim(layer_values, start, block, axis=1)).reshape(block, dim)
-        down = attn.down[level - 1].astype(dt)
-        x_l = downsample(x_block, down)
-        v_l = downsample(v_block, down).reshape(1, heads, head_dim)
+        x_l = attn.coarse_input(level, x_block)
+        v_l = downsample(v_block, attn.down[level - 1].astype(dt)).reshape(1, heads, head_dim)
         q_l, k_l = attn.queries_keys(level, x_l, last[None])
         old_k, old_v = cache.coarse_keys[level - 1], cache.coarse_values[level - 1]
         new_k = _write(old_k, jnp.where(complete, k_l[0], old_k[layer, :, last]), layer, last, axis=2)
@@ -161,7 +161,7 @@ def _attention_step(attn: MultiscaleAttention, x: Float[Array, "1 dim"], cache: 
         coarse_outputs.append(o_l)
         outputs.append(o_l.reshape(1, dim))
         available.append(position + 1 >= block)
-    combined, _, _ = attn.aggregation(jnp.stack(outputs, axis=1), jnp.stack(available)[None])
+    combined = attn.aggregation(jnp.stack(outputs, axis=1), jnp.stack(available)[None]).output
     out = attn.output(combined.reshape(1, heads, head_dim))
     return out, DecodeCache(keys=keys, values=values, inputs=inputs, coarse_keys=tuple(coarse_keys),
                             coarse_values=tuple(coarse_values),

@@ -5,6 +5,8 @@ Dimension letters: T tokens, D d_model, n streams, L scales, V padded vocabulary
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ from nash_mhc.layers.ffn import SwiGLU
 from nash_mhc.layers.hyperconnection import HyperConnection
 from nash_mhc.layers.init import EMBED_STD, normal
 from nash_mhc.layers.norm import RMSNorm
+from nash_mhc.ops.multiscale import choice_mask
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -28,22 +31,43 @@ class ModelOutput(eqx.Module):
     """What one forward pass returns for one sequence (a batched call adds a leading B to every field).
 
     logits: [T, V] float32, columns ≥ vocab_size masked to -1e30 (vocab padding never gets probability).
-    aux_loss: mean normalised entropy of the scale-aggregation weights over layers (unscaled; the training
-      loss multiplies it by ``sparsity_weight``); 0 for ``attention="full"``.
+    aux_loss: the sparsity term: mean over layers and over the positions with a choice of scales
+      (:func:`nash_mhc.ops.choice_mask`) of the normalised entropy of the aggregation weights (unscaled and
+      unmasked; training weights ``entropy`` by the loss mask and multiplies by ``sparsity_weight``);
+      0 for ``attention="full"``.
+    entropy: [T] that entropy per position, averaged over layers (0 where there is no choice).
     scale_weights: [L] mean aggregation weight per scale over positions and layers.
+    nash_residual: max over layers and positions of the equilibrium residual max_l |w - BR(w)| (0 unless
+      ``aggregation="nash"`` with several scales).
     res_diag: mean diagonal of H_res over tokens, sublayers and layers (1 for one stream).
     residual_maps: [2·layers, T, n, n] every sublayer's H_res, only with ``return_residual_maps=True``.
     """
 
     logits: Float[Array, "*batch seq vocab"]
     aux_loss: Float[Array, "*batch"]
+    entropy: Float[Array, "*batch seq"]
     scale_weights: Float[Array, "*batch scales"]
+    nash_residual: Float[Array, "*batch"]
     res_diag: Float[Array, "*batch"]
     residual_maps: Float[Array, "*batch sublayers seq n n"] | None = None
 
 
+class BlockStats(NamedTuple):
+    """Per-position statistics of one block: aggregation weights [..., T, L], their normalised entropy
+    [..., T], the Nash residual [..., T], and the H_res of both sublayers [2, ..., T, n, n]."""
+
+    weights: Float[Array, "*batch seq scales"]
+    entropy: Float[Array, "*batch seq"]
+    nash_residual: Float[Array, "*batch seq"]
+    res: Float[Array, "2 *batch seq n n"]
+
+
 class Block(eqx.Module):
-    """One transformer block: two hyper-connected sublayers (attention, then SwiGLU) on X [B, T, n, D]."""
+    """One transformer block: two hyper-connected sublayers (attention, then SwiGLU) on X [B, T, n, D].
+
+    ``layer`` (its depth, possibly traced) numbers its sublayers 2·layer and 2·layer + 1 for the HC
+    initialisation.
+    """
 
     attn_hc: HyperConnection
     attn_norm: RMSNorm
@@ -52,44 +76,44 @@ class Block(eqx.Module):
     ffn_norm: RMSNorm
     ffn: SwiGLU
 
-    def __init__(self, config: ModelConfig, *, key: jax.Array):
+    def __init__(self, config: ModelConfig, *, key: jax.Array, layer: int | Int[Array, ""] = 0):
         c = config
         k1, k2, k3, k4 = jax.random.split(key, 4)
         hc = dict(sinkhorn_iters=c.sinkhorn_iters, identity_logit=c.hc_identity_logit, eps=c.norm_eps)
-        self.attn_hc = HyperConnection(c.residual, c.num_streams, c.d_model, key=k1, **hc)
+        self.attn_hc = HyperConnection(c.residual, c.num_streams, c.d_model, key=k1, sublayer_index=2 * layer, **hc)
         self.attn_norm = RMSNorm(c.d_model, c.norm_eps)
         self.attn = MultiscaleAttention(
             c.d_model, c.num_heads, c.block_sizes, num_layers=c.num_layers, aggregation=c.aggregation,
             nash_iters=c.nash_iters, nash_temperature=c.nash_temperature, rope_theta=c.rope_theta,
-            dtype=c.dtype, key=k2)
-        self.ffn_hc = HyperConnection(c.residual, c.num_streams, c.d_model, key=k3, **hc)
+            dtype=c.dtype, key=k2, norm_eps=c.norm_eps)
+        self.ffn_hc = HyperConnection(c.residual, c.num_streams, c.d_model, key=k3, sublayer_index=2 * layer + 1,
+                                      **hc)
         self.ffn_norm = RMSNorm(c.d_model, c.norm_eps)
         self.ffn = SwiGLU(c.d_model, c.ffn_hidden, num_layers=c.num_layers, dtype=c.dtype, key=k4)
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, x: Float[Array, "*batch seq n dim"]) -> tuple[
-            Float[Array, "*batch seq n dim"], Float[Array, "*batch"], Float[Array, "*batch seq scales"],
-            Float[Array, "2 *batch seq n n"]]:
-        """Returns (X, aggregation entropy per sequence, aggregation weights, H_res of both sublayers).
+            Float[Array, "*batch seq n dim"], BlockStats]:
+        """Returns (X, the attention's aggregation statistics and both sublayers' H_res).
 
         The hyper-connections, norms and FFN are per token and run on the flattened [B·T, ...] tokens;
         attention gets them back as [B, T, D] sequences. One sequence [T, n, D] is run as a batch of one.
         """
         if x.ndim == 3:
-            x, entropy, weights, res = self(x[None])
-            return x[0], entropy[0], weights[0], res[:, 0]
+            x, stats = self(x[None])
+            return x[0], BlockStats(*(a[0] for a in stats[:3]), stats.res[:, 0])
         batch, seq, n, dim = x.shape
-        stats = {}
+        found = {}
 
         def attention(u: jax.Array) -> jax.Array:
-            y, stats["weights"], stats["entropy"] = self.attn(self.attn_norm(u).reshape(batch, seq, dim))
+            y, *found["stats"] = self.attn(self.attn_norm(u).reshape(batch, seq, dim))
             return y.reshape(batch * seq, dim)
 
         tokens = x.reshape(batch * seq, n, dim)
         tokens, res_attn = self.attn_hc(tokens, attention)
         tokens, res_ffn = self.ffn_hc(tokens, lambda u: self.ffn(self.ffn_norm(u)))
         res = jnp.stack([res_attn, res_ffn]).reshape(2, batch, seq, n, n)
-        return tokens.reshape(batch, seq, n, dim), stats["entropy"], stats["weights"], res
+        return tokens.reshape(batch, seq, n, dim), BlockStats(*found["stats"], res)
 
 
 class LanguageModel(eqx.Module):
@@ -112,10 +136,16 @@ class LanguageModel(eqx.Module):
         V, D = config.padded_vocab_size, config.d_model
         self.embedding = normal(k_embed, (V, D), EMBED_STD)
         block_keys = jax.random.split(k_blocks, config.num_layers)
-        self.blocks = eqx.filter_vmap(lambda k: Block(config, key=k))(block_keys)
+        self.blocks = eqx.filter_vmap(lambda k, i: Block(config, key=k, layer=i))(
+            block_keys, jnp.arange(config.num_layers))
         self.final_norm = RMSNorm(D, config.norm_eps)
         self.head = None if config.tie_embeddings else normal(k_head, (D, V), EMBED_STD)
         self.config = config
+
+    def nash_temperatures(self) -> Float[Array, "layers"] | None:
+        """Every layer's learned Nash temperature tau (None unless the Nash aggregation has several scales)."""
+        aggregation = self.blocks.attn.aggregation
+        return None if aggregation is None else aggregation.temperature
 
     def embed(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq n dim"]:
         """Token embeddings, repeated into the n residual streams: X [..., T, n, D]."""
@@ -152,19 +182,22 @@ class LanguageModel(eqx.Module):
 
         def layer(x: jax.Array, block_params: Block) -> tuple[jax.Array, tuple[jax.Array, ...]]:
             block = eqx.combine(block_params, static)
-            x, entropy, weights, res = block(x)
-            diag = jnp.mean(jnp.diagonal(res, axis1=-2, axis2=-1), axis=(0, 2, 3))
-            ys = (entropy, jnp.mean(weights, axis=1), diag)
-            return x, ys + ((res,) if return_residual_maps else ())
+            x, stats = block(x)
+            diag = jnp.mean(jnp.diagonal(stats.res, axis1=-2, axis2=-1), axis=(0, 2, 3))
+            ys = (stats.entropy, jnp.mean(stats.weights, axis=1), jnp.max(stats.nash_residual, axis=1), diag)
+            return x, ys + ((stats.res,) if return_residual_maps else ())
 
         if c.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[c.remat])
         x, ys = jax.lax.scan(layer, x, params)
-        entropy, weights, diag = ys[:3]  # [layers, B], [layers, B, L], [layers, B]
+        entropy, weights, residual, diag = ys[:4]  # [layers, B, T], [layers, B, L], [layers, B], [layers, B]
         logits = self.unembed(x)
         maps = None
         if return_residual_maps:  # [layers, 2, B, T, n, n] → [B, 2·layers, T, n, n]
-            maps = jnp.moveaxis(ys[3], 2, 0).reshape(batch, -1, seq, c.num_streams, c.num_streams)
-        return ModelOutput(logits=logits, aux_loss=jnp.mean(entropy, axis=0),
-                           scale_weights=jnp.mean(weights, axis=0), res_diag=jnp.mean(diag, axis=0),
+            maps = jnp.moveaxis(ys[4], 2, 0).reshape(batch, -1, seq, c.num_streams, c.num_streams)
+        entropy = jnp.mean(entropy, axis=0)
+        choice = choice_mask(seq, c.block_sizes)  # entropy is 0 elsewhere
+        aux = jnp.sum(entropy, axis=-1) / max(int(choice.sum()), 1)
+        return ModelOutput(logits=logits, aux_loss=aux, entropy=entropy, scale_weights=jnp.mean(weights, axis=0),
+                           nash_residual=jnp.max(residual, axis=0), res_diag=jnp.mean(diag, axis=0),
                            residual_maps=maps)

@@ -61,10 +61,10 @@ PARAM_RULES: tuple[tuple[str, tuple[Axes, ...]], ...] = (
     (r"attn\.wv", (FSDP, TP, None)),               # [D, H, K]
     (r"attn\.wo", (TP, None, FSDP)),               # [H, K, D]
     (r"attn\.down\[\d+\]", (None, FSDP)),          # [s, D]          depthwise downsampling kernels
-    (r"attn\.aggregation\.prior", ()),             # [S]             tiny: replicated
+    (r"attn\.aggregation\.(?:prior|log_temperature)", ()),  # [S], []  tiny: replicated
     (r"ffn\.w_(?:gate|up)", (FSDP, TP)),           # [D, F]          FFN hidden over tp
     (r"ffn\.w_down", (TP, FSDP)),                  # [F, D]
-    (r"\w*hc\.phi", (FSDP_TP, None)),              # [nD, 2n+n²]     no tp dim of its own: nD over both
+    (r"\w*hc\.phi", (FSDP_TP, None)),              # mhc [nD, 2n+n²], hc [D, 2+n]: rows over fsdp x tp
     (r"\w*hc\.(?:alpha|b_pre|b_post|b_res)", ()),  # mHC scalars and biases: replicated
     (r"\w*norm\.weight", ()),                      # RMSNorm gains (incl. the mHC one): replicated
 )

@@ -93,7 +93,7 @@ def test_gradients_finite_for_huge_sinkhorn_logits(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gradients_finite_when_all_scales_agree(dtype):
-    """Zero value projection → every scale outputs exactly 0 → every Nash utility error is sqrt(0 + ε)."""
+    """Zero value projection → every scale outputs exactly 0 → the Nash game's scale S and spread are 0."""
     model = perturbed(LanguageModel(ModelConfig.preset("tiny", dtype=dtype), key=jax.random.key(0)))
     model = eqx.tree_at(lambda m: m.blocks.attn.wv, model, replace_fn=jnp.zeros_like)
     loss, grads = value_and_grad(model, tokens(batch=2, seq=SEQ + 1))

@@ -68,8 +68,11 @@ def test_readme_main_command_trains_and_writes_its_outputs(tmp_path, cache_dir):
     assert json.loads((run / "config.json").read_text())["model_config"]["d_model"] == 256
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("step", "loss", "ce_loss", "aux_loss", "learning_rate", "grad_norm", "tokens_per_second", "mfu",
-                "step_time_s"):
+                "step_time_s", "nash_residual", "nash_temperature"):
         assert key in record
+    assert record["nash_residual"] <= 1e-4
+    events = b"".join(p.read_bytes() for p in run.iterdir() if p.name.startswith("events.out.tfevents"))
+    assert b"train/nash_residual" in events and b"train/nash_temperature" in events
 
 
 def test_resume_is_bit_identical_after_stop_and_after_sigterm(tmp_path, cache_dir):

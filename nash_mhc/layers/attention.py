@@ -11,7 +11,7 @@ from jaxtyping import Array, Float, Int, jaxtyped
 from nash_mhc.layers.aggregation import ScaleAggregation
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
 from nash_mhc.ops.attention import causal_attention
-from nash_mhc.ops.multiscale import downsample, upsample_shifted
+from nash_mhc.ops.multiscale import downsample, renormalise, upsample_shifted
 from nash_mhc.ops.rope import rope
 
 
@@ -20,10 +20,12 @@ class MultiscaleAttention(eqx.Module):
 
     Scale 0 is causal multi-head attention with RoPE on all T tokens. At scale l ≥ 1 the input and the
     (shared) value projection are downsampled block-wise (kernel = stride = s_l, learned depthwise weights
-    initialised to mean pooling), queries/keys use that scale's own projections and RoPE with spacing s_l,
-    attention is causal over coarse indices, and the result is upsampled *shifted*: fine position i reads
-    the last block complete at i. Outputs of the available scales are aggregated per position, then one
-    output projection is applied. Shapes: x [B, T, D] → ([B, T, D], weights [B, T, L], entropy [B]).
+    initialised to mean pooling); the pooled input is renormalised to unit RMS per coarse token (so coarse
+    attention logits start at the fine scale's RMS instead of ~1/s_l of it), queries/keys use that scale's
+    own projections and RoPE with spacing s_l, attention is causal over coarse indices, and the result is
+    upsampled *shifted*: fine position i reads the last block complete at i. Outputs of the available scales
+    are aggregated per position (:class:`ScaleAggregation`), then one output projection is applied.
+    Shapes: x [B, T, D] → (y [B, T, D], weights [B, T, L], entropy [B, T], Nash residual [B, T]).
     """
 
     wq: Float[Array, "scales dim heads head_dim"]
@@ -34,11 +36,12 @@ class MultiscaleAttention(eqx.Module):
     aggregation: ScaleAggregation | None
     block_sizes: tuple[int, ...] = eqx.field(static=True)
     rope_theta: float = eqx.field(static=True)
+    norm_eps: float = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
 
     def __init__(self, dim: int, num_heads: int, block_sizes: tuple[int, ...], *, num_layers: int,
                  aggregation: str, nash_iters: int, nash_temperature: float, rope_theta: float, dtype: str,
-                 key: jax.Array):
+                 key: jax.Array, norm_eps: float = 1e-6):
         head_dim = dim // num_heads
         scales = len(block_sizes)
         kq, kk, kv, ko = jax.random.split(key, 4)
@@ -51,6 +54,7 @@ class MultiscaleAttention(eqx.Module):
                                              temperature=nash_temperature) if scales > 1 else None)
         self.block_sizes = tuple(block_sizes)
         self.rope_theta = rope_theta
+        self.norm_eps = norm_eps
         self.dtype = dtype
 
     # Per-token pieces, shared by the full-sequence forward below and by incremental decoding
@@ -70,6 +74,11 @@ class MultiscaleAttention(eqx.Module):
         k = rope(k, spacing=spacing, theta=self.rope_theta, positions=positions)
         return q, k
 
+    def coarse_input(self, level: int, x: Float[Array, "*batch seq dim"]) -> Float[Array, "*batch blocks dim"]:
+        """Coarse tokens of scale ``level`` ≥ 1: the block-wise downsampled input, renormalised to unit RMS."""
+        down = self.down[level - 1].astype(jnp.dtype(self.dtype))
+        return renormalise(downsample(x, down), self.norm_eps)
+
     def output(self, out: Float[Array, "*batch seq heads head_dim"]) -> Float[Array, "*batch seq dim"]:
         """Output projection of the aggregated heads."""
         dt = jnp.dtype(self.dtype)
@@ -82,16 +91,17 @@ class MultiscaleAttention(eqx.Module):
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, x: Float[Array, "*batch seq dim"]) -> tuple[
-            Float[Array, "*batch seq dim"], Float[Array, "*batch seq scales"], Float[Array, "*batch"]]:
-        """Returns (output, aggregation weights, normalised entropy of the weights per sequence).
+            Float[Array, "*batch seq dim"], Float[Array, "*batch seq scales"], Float[Array, "*batch seq"],
+            Float[Array, "*batch seq"]]:
+        """Returns (output, aggregation weights, their normalised entropy, Nash residual) per position.
 
         The projections run on the whole batch at once (weight gradients are single matmuls over every
-        token); only the weight-free per-sequence pieces (attention core, aggregation) are vmapped. One
-        sequence [T, D] is run as a batch of one.
+        token); only the weight-free attention core is vmapped over sequences. One sequence [T, D] is run as
+        a batch of one.
         """
         if x.ndim == 2:
-            out, weights, entropy = self(x[None])
-            return out[0], weights[0], entropy[0]
+            out, weights, entropy, residual = self(x[None])
+            return out[0], weights[0], entropy[0], residual[0]
         dt = jnp.dtype(self.dtype)
         batch, seq, dim = x.shape
         x = x.astype(dt)
@@ -101,19 +111,18 @@ class MultiscaleAttention(eqx.Module):
         if self.aggregation is None:
             out = fine
             weights = jnp.ones((batch, seq, 1), jnp.float32)
-            entropy = jnp.zeros((batch,), jnp.float32)
+            entropy = residual = jnp.zeros((batch, seq), jnp.float32)
         else:
             outputs, masks = [fine.reshape(batch, seq, dim)], [jnp.ones((seq,), bool)]
             v_flat = v.reshape(batch, seq, dim)
             for level, block in enumerate(self.block_sizes[1:], start=1):
-                down = self.down[level - 1].astype(dt)
-                x_l = downsample(x, down)
-                v_l = downsample(v_flat, down).reshape(batch, -1, heads, head_dim)
+                x_l = self.coarse_input(level, x)
+                v_l = downsample(v_flat, self.down[level - 1].astype(dt)).reshape(batch, -1, heads, head_dim)
                 o_l = self._scale(level, x_l, v_l).reshape(batch, -1, dim)
                 up, avail = upsample_shifted(o_l, seq, block)
                 outputs.append(up)
                 masks.append(avail)
-            combined, weights, entropy = jax.vmap(self.aggregation, in_axes=(0, None))(
-                jnp.stack(outputs, axis=2), jnp.stack(masks, axis=1))
+            combined, weights, entropy, residual = self.aggregation(jnp.stack(outputs, axis=2),
+                                                                    jnp.stack(masks, axis=1))
             out = combined.reshape(batch, seq, heads, head_dim)
-        return self.output(out), weights, entropy
+        return self.output(out), weights, entropy, residual

@@ -1,26 +1,33 @@
-"""Hyper-connection residual around one sublayer: mHC (manifold-constrained), HC, or plain.
+"""Residual connection of one sublayer over n streams: mHC (manifold-constrained), HC (as published), or plain.
 
 Residual state X: [T, n, D] (T tokens, n streams, D model width). For one sublayer F (attention or FFN,
-including its pre-norm), per token:
+including its own pre-norm), per token, both connections compute (H_pre [n], H_post [n], H_res [n, n]) and
 
-    x' = RMSNorm(flatten(X))                       one statistic over all n·D values
-    [a_pre | a_post | a_res] = x' Φ                one fused Φ: [n·D, 2n + n²]
-    mhc: H_pre = σ(α_pre a_pre + b_pre)   H_post = 2σ(α_post a_post + b_post)
-         H_res = Sinkhorn(α_res a_res + b_res)      (doubly stochastic, n×n)
-    hc:  H_pre = α_pre tanh(a_pre) + b_pre   H_post = α_post tanh(a_post) + b_post
-         H_res = α_res tanh(a_res) + b_res          (unconstrained, as in Hyper-Connections)
-    u = Σ_k H_pre[k] X[k];   y = F(u);   X ← H_res X + H_post ⊗ y
+    u = sum_k H_pre[k] X[k];   y = F(u);   X <- H_res X + H_post (x) y
 
-All coefficient math is float32; α are learnable scalars initialised to 0.01.
+mhc (Xie et al., arXiv 2512.24880), from one statistic over all n*D values:
+    x' = RMSNorm(flatten(X))                   [a_pre | a_post | a_res] = x' Phi,  Phi: [n*D, 2n + n^2]
+    H_pre = sigma(alpha_pre a_pre + b_pre)    H_post = 2 sigma(alpha_post a_post + b_post)
+    H_res = Sinkhorn(alpha_res reshape(a_res, n x n) + b_res)          (doubly stochastic)
+  Init: b_pre = logit(1/n) (u is the mean stream), b_post = 0 (H_post = 1), b_res = tau I (tau =
+  ``hc_identity_logit``; diag(H_res) ~ 0.95 for tau = 4, n = 4), alpha = 0.01, Phi ~ N(0, 1/(n D)).
 
-Initialisation (step 0 behaves like a pre-norm residual transformer): the streams start as n copies of the
-embedding, b_pre = logit(1/n) (mhc) or 1/n (hc) so u is the mean stream, b_post = 0 (mhc: H_post = 2σ(0) = 1)
-or 1 (hc), and b_res = τ·I (mhc, τ = ``hc_identity_logit``, diag(H_res) ≈ 0.95 for τ = 4, n = 4) or I (hc).
-Row-stochastic H_res maps identical streams to themselves, so every stream receives the same update y.
+hc: dynamic Hyper-Connections (Zhu et al., arXiv 2409.19606, as restated in the mHC paper's eq. 5), from each
+stream normalised on its own:
+    x~_i = RMSNorm(X[i])                        [c_pre | c_post | c_res] = x~_i Theta,  Theta: [D, 2 + n]
+    H_pre[i] = alpha_pre tanh(c_pre_i) + b_pre[i]        H_post[i] = alpha_post tanh(c_post_i) + b_post[i]
+    H_res[j, i] = alpha_res tanh(c_res_i[j]) + b_res[j, i]               (unconstrained)
+  i.e. stream i's own normalised state sets its input weight, its output weight and column i of H_res
+  (the paper's A_m[i], B[i], A_r[i, :]). Init as published: dynamic weights Theta = 0, alpha = 0.01, static
+  b_pre = one-hot(k mod n) for the k-th sublayer of the network (attention of layer l is k = 2l, its FFN
+  k = 2l + 1), b_post = 1, b_res = I: the network starts as a pre-norm residual transformer.
 
-With n = 1 (``residual="plain"``, or "mhc"/"hc" with one stream) the module is the plain pre-norm residual
-X ← X + F(X): a 1×1 doubly-stochastic matrix is exactly 1 and the scalar pre-gate is cancelled by the
-sublayer's RMSNorm, so the one-stream case carries no coefficient parameters.
+All coefficient math is float32; the alpha are learnable scalars. Row-stochastic H_res (mhc), or the identity
+(hc at init), maps identical streams to themselves, so every stream receives the same update y at step 0.
+
+With n = 1 (``residual="plain"``, or mhc/hc with one stream) the module is the plain pre-norm residual
+X <- X + F(X) and carries no coefficient parameters (a 1x1 doubly-stochastic matrix is exactly 1; HC's
+one-stream scalars are dropped).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped
+from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.sinkhorn import sinkhorn
@@ -43,10 +50,14 @@ Sublayer = Callable[[Float[Array, "seq dim"]], Float[Array, "seq dim"]]
 
 
 class HyperConnection(eqx.Module):
-    """Residual connection of one sublayer over n streams (see module docstring)."""
+    """Residual connection of one sublayer over n streams (see module docstring).
+
+    ``sublayer_index`` (the k of HC's one-hot H_pre initialisation) may be a traced integer, so a stack
+    of layers can be built under ``vmap``.
+    """
 
     norm: RMSNorm | None
-    phi: Float[Array, "nd coeffs"] | None
+    phi: Float[Array, "rows coeffs"] | None
     alpha: Float[Array, "3"] | None
     b_pre: Float[Array, "n"] | None
     b_post: Float[Array, "n"] | None
@@ -56,7 +67,8 @@ class HyperConnection(eqx.Module):
     sinkhorn_iters: int = eqx.field(static=True)
 
     def __init__(self, mode: str, num_streams: int, dim: int, *, sinkhorn_iters: int = 20,
-                 identity_logit: float = 4.0, eps: float = 1e-6, key: jax.Array):
+                 identity_logit: float = 4.0, eps: float = 1e-6, sublayer_index: int | Int[Array, ""] = 0,
+                 key: jax.Array):
         n = num_streams
         self.mode = "plain" if n == 1 else mode
         self.num_streams = n
@@ -64,16 +76,18 @@ class HyperConnection(eqx.Module):
         if self.mode == "plain":
             self.norm = self.phi = self.alpha = self.b_pre = self.b_post = self.b_res = None
             return
-        self.norm = RMSNorm(n * dim, eps)
-        self.phi = jax.random.normal(key, (n * dim, 2 * n + n * n), jnp.float32) / math.sqrt(n * dim)
         self.alpha = jnp.full((3,), ALPHA_INIT, jnp.float32)
         eye = jnp.eye(n, dtype=jnp.float32)
         if self.mode == "mhc":
-            self.b_pre = jnp.full((n,), -math.log(n - 1), jnp.float32)  # σ(b_pre) = 1/n
-            self.b_post = jnp.zeros((n,), jnp.float32)  # H_post = 2σ(0) = 1
+            self.norm = RMSNorm(n * dim, eps)
+            self.phi = jax.random.normal(key, (n * dim, 2 * n + n * n), jnp.float32) / math.sqrt(n * dim)
+            self.b_pre = jnp.full((n,), -math.log(n - 1), jnp.float32)  # sigma(b_pre) = 1/n
+            self.b_post = jnp.zeros((n,), jnp.float32)  # H_post = 2 sigma(0) = 1
             self.b_res = identity_logit * eye
         else:
-            self.b_pre = jnp.full((n,), 1.0 / n, jnp.float32)
+            self.norm = RMSNorm(dim, eps)
+            self.phi = jnp.zeros((dim, 2 + n), jnp.float32)  # dynamic weights start at 0
+            self.b_pre = jax.nn.one_hot(jnp.asarray(sublayer_index) % n, n, dtype=jnp.float32)
             self.b_post = jnp.ones((n,), jnp.float32)
             self.b_res = eye
 
@@ -84,6 +98,12 @@ class HyperConnection(eqx.Module):
         assert self.norm is not None and self.phi is not None and self.alpha is not None
         seq, n, dim = x.shape
         xf = x.astype(jnp.float32)
+        if self.mode == "hc":
+            c = jnp.einsum("tnd,dc->tnc", self.norm(xf), self.phi)  # per stream: [T, n, 2 + n]
+            h_pre = self.alpha[0] * jnp.tanh(c[..., 0]) + self.b_pre
+            h_post = self.alpha[1] * jnp.tanh(c[..., 1]) + self.b_post
+            h_res = self.alpha[2] * jnp.swapaxes(jnp.tanh(c[..., 2:]), -1, -2) + self.b_res  # [t, j, i]
+            return h_pre, h_post, h_res
         # RMSNorm(flatten(X)) Φ = rsqrt(mean(X²) + eps) · (X (g ⊙ Φ)): the per-token scale is applied to the
         # [T, 2n+n²] projection, not to the [T, n·D] streams, and X is contracted in its own [T, n, D] shape,
         # so the backward pass keeps X itself and no normalised or reshaped copy of it.
@@ -91,14 +111,9 @@ class HyperConnection(eqx.Module):
         weighted_phi = (self.norm.weight[:, None] * self.phi).reshape(n, dim, -1)
         a = jnp.einsum("tnd,ndc->tc", xf, weighted_phi) * inv_rms[:, None]
         a_pre, a_post, a_res = a[:, :n], a[:, n:2 * n], a[:, 2 * n:].reshape(seq, n, n)
-        if self.mode == "mhc":
-            h_pre = jax.nn.sigmoid(self.alpha[0] * a_pre + self.b_pre)
-            h_post = 2.0 * jax.nn.sigmoid(self.alpha[1] * a_post + self.b_post)
-            h_res = sinkhorn(self.alpha[2] * a_res + self.b_res, self.sinkhorn_iters)
-        else:
-            h_pre = self.alpha[0] * jnp.tanh(a_pre) + self.b_pre
-            h_post = self.alpha[1] * jnp.tanh(a_post) + self.b_post
-            h_res = self.alpha[2] * jnp.tanh(a_res) + self.b_res
+        h_pre = jax.nn.sigmoid(self.alpha[0] * a_pre + self.b_pre)
+        h_post = 2.0 * jax.nn.sigmoid(self.alpha[1] * a_post + self.b_post)
+        h_res = sinkhorn(self.alpha[2] * a_res + self.b_res, self.sinkhorn_iters)
         return h_pre, h_post, h_res
 
     @jaxtyped(typechecker=beartype)

@@ -1,13 +1,23 @@
 """Pure functions of the Nash-MHC model: Sinkhorn, scale aggregation, RoPE, causal resampling, attention."""
 
-from nash_mhc.ops.aggregation import combine, masked_softmax, nash_weights, normalised_entropy
+from nash_mhc.ops.aggregation import (
+                                      best_response,
+                                      combine,
+                                      masked_softmax,
+                                      nash_weights,
+                                      normalised_entropy,
+                                      prior_weights,
+                                      scale_game,
+)
 from nash_mhc.ops.attention import causal_attention, masked_attention
-from nash_mhc.ops.multiscale import available_mask, downsample, num_blocks, upsample_shifted
+from nash_mhc.ops.multiscale import available_mask, choice_mask, downsample, num_blocks, renormalise, upsample_shifted
 from nash_mhc.ops.rope import rope
 from nash_mhc.ops.sinkhorn import sinkhorn
 
 __all__ = [
     "available_mask",
+    "best_response",
+    "choice_mask",
     "causal_attention",
     "combine",
     "downsample",
@@ -16,7 +26,10 @@ __all__ = [
     "nash_weights",
     "normalised_entropy",
     "num_blocks",
+    "prior_weights",
+    "renormalise",
     "rope",
+    "scale_game",
     "sinkhorn",
     "upsample_shifted",
 ]

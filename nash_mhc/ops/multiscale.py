@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
@@ -34,6 +35,27 @@ def downsample(x: Float[Array, "*batch seq dim"], weights: Float[Array, "block d
 def available_mask(seq_len: int, block: int) -> np.ndarray:
     """bool[seq]: fine position i has a complete block at this scale, i.e. i + 1 >= block."""
     return np.arange(seq_len) + 1 >= block
+
+
+def choice_mask(seq_len: int, block_sizes: tuple[int, ...]) -> np.ndarray:
+    """bool[seq]: position i has at least two scales to aggregate (scale 0 and a complete block of scale 1).
+
+    The positions that count in the aggregation's sparsity term; all False with a single scale.
+    """
+    if len(block_sizes) < 2:
+        return np.zeros((seq_len,), bool)
+    return available_mask(seq_len, block_sizes[1])
+
+
+@jaxtyped(typechecker=beartype)
+def renormalise(x: Float[Array, "*batch dim"], eps: float) -> Float[Array, "*batch dim"]:
+    """x / sqrt(mean(x²) + eps) per token (statistics in float32, result in x's dtype), no learned gain.
+
+    Applied to pooled coarse tokens: a block mean of s weakly correlated unit-RMS tokens has RMS ~ 1/sqrt(s),
+    which would shrink coarse attention logits by ~1/s; renormalising gives them the fine scale's RMS.
+    """
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 @jaxtyped(typechecker=beartype)

@@ -303,7 +303,7 @@ def train(session: Session) -> int:
                       "mfu": mfu(tps, flops_per_token, session.peak_flops, len(jax.devices())),
                       "step_time_s": step_time, "skipped": values.get("skipped", 0.0)}
             for key, value in values.items():
-                if key.startswith("scale_weight") or key == "res_diag":
+                if key.startswith(("scale_weight", "nash_")) or key == "res_diag":
                     record[key] = value
             logger.write(record)
             logger.progress(done_step, values["loss"], tps)

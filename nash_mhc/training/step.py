@@ -10,15 +10,18 @@ Collectives that matter are written by hand in ``jax.shard_map`` (everything els
   combined with ``pmax`` (gradient-free: the log-sum-exp does not depend on the shift), the sum of
   exponentials with ``psum``, and the target logit with ``psum`` (only the device that owns the target's
   column contributes). The full [B, T, V] logits are never gathered on one device.
-* the loss sum, the token count and the aux-loss sum are ``psum``-ed over ``("data", "fsdp")``, so the loss
-  is the exact mask-weighted mean over every prediction of the global batch.
+* the loss sum, the token count and the sparsity (aux) sum are ``psum``-ed over ``("data", "fsdp")``, so
+  the loss is the exact mask-weighted mean over every prediction of the global batch.
+
+The sparsity term is the mean of the aggregation weights' normalised entropy over the positions that count:
+position t of row b weighs ``mask[b, t]`` if it has a choice of scales (:func:`nash_mhc.ops.choice_mask`),
+else 0, so padding and masked-out predictions never enter it.
 
 Gradient accumulation: the batch is split *strided* into k microbatches (microbatch i = rows i, i+k, ...),
 so each stays evenly sharded over the batch axes without communication, and scanned with ``lax.scan``.
-The global token count N is summed once up front (it does not depend on the parameters); microbatch i
-contributes ``ce_sum_i / N + w · aux_i / k`` to the objective, so the accumulated gradient is exactly the
-gradient of ``Σ ce_sum_i / Σ count_i + w · mean(aux)`` (token-weighted, divided once by the global count)
-and equals the single large-batch gradient.
+The global token count N and sparsity weight N_aux are summed once up front (they do not depend on the
+parameters); microbatch i contributes ``ce_sum_i / N + w · aux_sum_i / N_aux`` to the objective, so the
+accumulated gradient is exactly the gradient of the single large-batch objective.
 
 Non-finite loss or gradient norm: the update is discarded (``jnp.where`` per leaf, so model and optimizer
 state stay bit-identical), ``step`` does not advance, ``skipped`` increments and ``metrics["skipped"]`` is 1.
@@ -37,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PyTree
 
 from nash_mhc.model import LanguageModel
+from nash_mhc.ops.multiscale import choice_mask
 from nash_mhc.sharding import BATCH_AXES, TP, batch_shards, batch_spec, constrain, make_mesh, shard_batch
 from nash_mhc.training.optim import current_learning_rate
 from nash_mhc.training.state import Batch, TrainState
@@ -51,19 +55,21 @@ def vocab_is_split(vocab: int, mesh: Mesh) -> bool:
 
 
 def loss_terms(logits: Float[Array, "batch seq vocab"], targets: Int[Array, "batch seq"],
-               mask: Float[Array, "batch seq"], aux: Float[Array, "batch"], mesh: Mesh
+               mask: Float[Array, "batch seq"], entropy: Float[Array, "batch seq"],
+               aux_weight: Float[Array, "batch seq"], mesh: Mesh
                ) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
-    """Global (Σ mask·NLL, Σ mask, Σ aux) over the whole batch, computed vocab-parallel in ``shard_map``.
+    """Global (Σ mask·NLL, Σ mask, Σ aux_weight·entropy) over the whole batch, vocab-parallel in ``shard_map``.
 
     ``logits`` [B, T, V] float32 (padded columns already at -1e30), ``targets`` [B, T] ids < V, ``mask``
-    [B, T] token weights, ``aux`` [B] per-sequence aux loss. Rows are split over ``("data", "fsdp")``,
-    vocabulary over ``tp`` (when V divides by it). Results are replicated scalars.
+    [B, T] token weights, ``entropy`` [B, T] the aggregation entropy per position, ``aux_weight`` [B, T]
+    its weights (:func:`aux_weights`). Rows are split over ``("data", "fsdp")``, vocabulary over ``tp``
+    (when V divides by it). Results are replicated scalars.
     """
     split = vocab_is_split(logits.shape[-1], mesh)
     vocab_axis = TP if split else None
     logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(BATCH_AXES, None, vocab_axis)))
 
-    def local(logits: jax.Array, targets: jax.Array, mask: jax.Array, aux: jax.Array
+    def local(logits: jax.Array, targets: jax.Array, mask: jax.Array, entropy: jax.Array, aux_weight: jax.Array
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
         local_vocab = logits.shape[-1]
         row_max = jnp.max(jax.lax.stop_gradient(logits), axis=-1)
@@ -83,12 +89,18 @@ def loss_terms(logits: Float[Array, "batch seq vocab"], targets: Int[Array, "bat
         nll = jnp.log(sum_exp) + row_max - target_logit
         ce_sum = jax.lax.psum(jnp.sum(nll * mask), BATCH_AXES)
         count = jax.lax.psum(jnp.sum(mask), BATCH_AXES)
-        aux_sum = jax.lax.psum(jnp.sum(aux), BATCH_AXES)
+        aux_sum = jax.lax.psum(jnp.sum(entropy * aux_weight), BATCH_AXES)
         return ce_sum, count, aux_sum
 
     return jax.shard_map(local, mesh=mesh,
-                         in_specs=(P(BATCH_AXES, None, vocab_axis), batch_spec(2), batch_spec(2), batch_spec(1)),
-                         out_specs=(P(), P(), P()), check_vma=True)(logits, targets, mask, aux)
+                         in_specs=(P(BATCH_AXES, None, vocab_axis), *[batch_spec(2)] * 4),
+                         out_specs=(P(), P(), P()), check_vma=True)(logits, targets, mask, entropy, aux_weight)
+
+
+def aux_weights(mask: Float[Array, "*batch seq"], model: LanguageModel) -> Float[Array, "*batch seq"]:
+    """Weight of each position in the sparsity term: its loss mask where it has a choice of scales, else 0."""
+    c = model.config
+    return mask * jnp.asarray(choice_mask(mask.shape[-1], c.block_sizes), mask.dtype)
 
 
 def global_token_count(mask: Float[Array, "*batch seq"], mesh: Mesh) -> Float[Array, ""]:
@@ -109,14 +121,16 @@ def _mask_of(batch: Batch) -> jax.Array:
 
 def forward_terms(model: LanguageModel, inputs: Int[Array, "batch seq"], targets: Int[Array, "batch seq"],
                   mask: Float[Array, "batch seq"], mesh: Mesh
-                  ) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""], Float[Array, "diagnostics"]]:
-    """Model forward on a (micro)batch → global (Σ mask·NLL, Σ mask, Σ aux, diagnostics).
+                  ) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""], dict[str, jax.Array]]:
+    """Model forward on a (micro)batch → global (Σ mask·NLL, Σ mask, Σ aux weight·entropy, diagnostics).
 
-    diagnostics [L + 1]: batch means of the aggregation weight of every scale, then of diag(H_res).
+    diagnostics (gradient-free): ``scale_weights`` [L] batch means of the aggregation weight of every
+    scale, ``res_diag`` the mean diagonal of H_res, ``nash_residual`` the largest equilibrium residual.
     """
     out = model(inputs)  # native batch: [B, T] → logits [B, T, V]
-    ce_sum, count, aux_sum = loss_terms(out.logits, targets, mask, out.aux_loss, mesh)
-    diagnostics = jnp.concatenate([jnp.mean(out.scale_weights, axis=0), jnp.mean(out.res_diag)[None]])
+    ce_sum, count, aux_sum = loss_terms(out.logits, targets, mask, out.entropy, aux_weights(mask, model), mesh)
+    diagnostics = {"scale_weights": jnp.mean(out.scale_weights, axis=0), "res_diag": jnp.mean(out.res_diag),
+                   "nash_residual": jnp.max(out.nash_residual)}
     return ce_sum, count, aux_sum, jax.lax.stop_gradient(diagnostics)
 
 
@@ -155,6 +169,7 @@ def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
     masks = _microbatches(mask, k, mesh)
     count = global_token_count(masks, mesh)
     denom = jnp.maximum(count, 1.0)
+    aux_denom = jnp.maximum(global_token_count(aux_weights(masks, state.model), mesh), 1.0)
 
     params, static = eqx.partition(state.model, eqx.is_inexact_array)
 
@@ -162,21 +177,19 @@ def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
                    ) -> tuple[tuple[PyTree, jax.Array, jax.Array], jax.Array]:
         grad_acc, ce_acc, aux_acc = carry
 
-        def objective(p: PyTree) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+        def objective(p: PyTree) -> tuple[jax.Array, tuple[jax.Array, jax.Array, dict[str, jax.Array]]]:
             ce_sum, _, aux_sum, diagnostics = forward_terms(eqx.combine(p, static), *xs, mesh)
-            aux_mean = aux_sum / xs[0].shape[0]
-            return ce_sum / denom + weight * aux_mean / k, (ce_sum, aux_mean, diagnostics)
+            return ce_sum / denom + weight * aux_sum / aux_denom, (ce_sum, aux_sum, diagnostics)
 
-        (_, (ce_sum, aux_mean, diagnostics)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        (_, (ce_sum, aux_sum, diagnostics)), grads = jax.value_and_grad(objective, has_aux=True)(params)
         grad_acc = jax.tree.map(jnp.add, grad_acc, constrain(grads, mesh))
-        return (grad_acc, ce_acc + ce_sum, aux_acc + aux_mean), diagnostics
+        return (grad_acc, ce_acc + ce_sum, aux_acc + aux_sum), diagnostics
 
     zeros = constrain(jax.tree.map(jnp.zeros_like, params), mesh)
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     (grads, ce_sum, aux_sum), diagnostics = jax.lax.scan(microbatch, init, (inputs, targets, masks))
-    diagnostics = jnp.mean(diagnostics, axis=0)
     ce_loss = ce_sum / denom
-    aux_loss = aux_sum / k
+    aux_loss = aux_sum / aux_denom
     loss = ce_loss + weight * aux_loss
     grad_norm = global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -203,10 +216,25 @@ def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
         "learning_rate": learning_rate,
         "tokens": count,
         "skipped": skipped.astype(jnp.float32),
-        **{f"scale_weight_{level}": diagnostics[level] for level in range(diagnostics.shape[0] - 1)},
-        "res_diag": diagnostics[-1],
+        **diagnostic_metrics(diagnostics, state.model),
     }
     return new_state, metrics
+
+
+def diagnostic_metrics(diagnostics: dict[str, jax.Array], model: LanguageModel) -> Metrics:
+    """Scalar metrics from the per-microbatch diagnostics [k, ...] of :func:`forward_terms` and the model.
+
+    scale_weight_<l> and res_diag: means over microbatches; nash_residual: their maximum; nash_temperature:
+    the learned temperature tau averaged over layers (only for the Nash aggregation).
+    """
+    weights = jnp.mean(diagnostics["scale_weights"], axis=0)
+    metrics = {f"scale_weight_{level}": weights[level] for level in range(weights.shape[0])}
+    metrics["res_diag"] = jnp.mean(diagnostics["res_diag"])
+    metrics["nash_residual"] = jnp.max(diagnostics["nash_residual"])
+    temperatures = model.nash_temperatures()
+    if temperatures is not None:
+        metrics["nash_temperature"] = jnp.mean(temperatures)
+    return metrics
 
 
 _train_step_jit = eqx.filter_jit(_train_step, donate="all-except-first")
@@ -216,9 +244,12 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     """One optimizer step (``grad_accum_steps`` microbatches). ``state`` is donated: do not reuse it.
 
     Metrics (replicated float32 scalars): loss (= ce_loss + sparsity_weight·aux_loss), ce_loss (token-
-    weighted mean over the global batch), aux_loss (batch mean), grad_norm (before clipping),
-    learning_rate (used by this step), tokens (Σ loss_mask), skipped (1 if the update was skipped),
-    scale_weight_<l> (mean aggregation weight of scale l) and res_diag (mean diagonal of H_res).
+    weighted mean over the global batch), aux_loss (the sparsity term, mask-weighted over the positions
+    with a choice of scales), grad_norm (before clipping), learning_rate (used by this step), tokens
+    (Σ loss_mask), skipped (1 if the update was skipped), scale_weight_<l> (mean aggregation weight of
+    scale l), res_diag (mean diagonal of H_res), nash_residual (largest equilibrium residual max_l
+    |w - BR(w)| over positions, layers and microbatches) and, for the Nash aggregation, nash_temperature
+    (the learned tau averaged over layers).
     Host arrays in ``batch`` are placed with :func:`nash_mhc.sharding.shard_batch`.
     """
     _check_batch(batch, state.mesh, state.train_config.grad_accum_steps)
@@ -237,7 +268,7 @@ def _eval_step(model: LanguageModel, batch: Batch, mesh: Mesh) -> Metrics:
     mask = jax.lax.with_sharding_constraint(_mask_of(batch), NamedSharding(mesh, batch_spec(2)))
     ce_sum, count, aux_sum, _ = forward_terms(model, tokens[:, :-1], tokens[:, 1:], mask, mesh)
     ce_loss = ce_sum / jnp.maximum(count, 1.0)
-    aux_loss = aux_sum / tokens.shape[0]
+    aux_loss = aux_sum / jnp.maximum(global_token_count(aux_weights(mask, model), mesh), 1.0)
     loss = ce_loss + model.config.sparsity_weight * aux_loss
     return {"loss": loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "tokens": count}
 

@@ -1,0 +1,324 @@
+"""The Nash aggregation, coarse-scale renormalisation and published Hyper-Connections against float64 NumPy
+references written from the equations (nash_mhc.ops.aggregation and nash_mhc.layers.hyperconnection
+docstrings), never from the code's own helpers."""
+
+from __future__ import annotations
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+from nash_mhc import LanguageModel, ModelConfig
+from nash_mhc.layers.aggregation import ScaleAggregation
+from nash_mhc.layers.hyperconnection import HyperConnection
+from nash_mhc.ops import combine, nash_weights, normalised_entropy, prior_weights
+
+DEFAULT = ModelConfig.preset("tiny")
+
+
+# ------------------------------------------------------------------------------------ NumPy reference
+def _softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max()
+    e = np.exp(z)
+    return e / e.sum()
+
+
+def reference_game(outputs: np.ndarray, available: np.ndarray, prior: np.ndarray, tau: float):
+    """For one position: (best response, start point, indices of the available scales), float64.
+
+    Consensus O* = sum w_l O_l, error e_l = |O_l - O*|^2 / (D S), S = mean_l |O_l|^2 / D, effective
+    temperature tau + 2 |C|_F with C the Gram matrix of the centred outputs over D S.
+    """
+    idx = np.flatnonzero(available)
+    o = outputs[idx].astype(np.float64)
+    dim = o.shape[-1]
+    scale = np.mean(np.sum(o * o, axis=-1)) / dim
+    centred = o - o.mean(axis=0)
+    c = centred @ centred.T / (dim * scale)
+    tau_eff = tau + 2.0 * np.sqrt(np.sum(c * c) + 1e-12)
+    b = prior[idx].astype(np.float64)
+
+    def best_response(w: np.ndarray) -> np.ndarray:
+        consensus = w @ o
+        err = np.sum((o - consensus) ** 2, axis=-1) / (dim * scale)
+        return _softmax(b - err / tau_eff)
+
+    return best_response, _softmax(b), idx
+
+
+def reference_nash(outputs, available, prior, tau, iters):
+    """Weights [T, L] after ``iters`` best-response steps from softmax(prior) and their residuals [T]."""
+    seq, scales, _ = outputs.shape
+    weights, residual = np.zeros((seq, scales)), np.zeros(seq)
+    for t in range(seq):
+        br, w, idx = reference_game(outputs[t], available[t], prior, tau)
+        for _ in range(iters):
+            w = br(w)
+        weights[t, idx] = w
+        residual[t] = np.abs(br(w) - w).max()
+    return weights, residual
+
+
+@functools.cache
+def jitted_weights(num_iters: int):
+    return jax.jit(functools.partial(nash_weights, num_iters=num_iters))
+
+
+def random_outputs(seed: int, seq: int, scales: int, dim: int, spreads=(1.0, 2.0, 0.5)) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(seq, scales, dim)) * np.asarray(spreads)[None, :, None]).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------ the solver
+@st.composite
+def games(draw):
+    """Scale outputs whose per-scale sizes, agreement and dimension span what trained models produce.
+
+    Shapes are fixed per dimension (one compile each); fewer scales are drawn through availability.
+    """
+    seq, scales = 8, 4
+    dim = draw(st.sampled_from([2, 64]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    log_scale = draw(st.lists(st.floats(-4, 4), min_size=scales, max_size=scales))
+    agreement = draw(st.floats(-1.0, 1.0))  # correlation with a common direction (negative: opposed)
+    common = rng.normal(size=(seq, 1, dim))
+    own = rng.normal(size=(seq, scales, dim))
+    signs = np.where(np.arange(scales) % 2, np.sign(agreement), 1.0)[None, :, None]
+    outputs = (abs(agreement) * common * signs + np.sqrt(1 - agreement**2) * own) * np.exp(log_scale)[None, :, None]
+    available = rng.random((seq, scales)) < draw(st.floats(0.3, 1.0))
+    available[:, 0] = True
+    prior = np.asarray(draw(st.lists(st.floats(-4, 4), min_size=scales, max_size=scales)))
+    tau = draw(st.floats(1e-3, 1e2))
+    return outputs.astype(np.float32), available, prior.astype(np.float32), np.float32(tau)
+
+
+@settings(max_examples=60, deadline=None)
+@given(games())
+def test_equilibrium_residual_small_within_default_iterations_and_matches_reference(game):
+    outputs, available, prior, tau = game
+    iters = DEFAULT.nash_iters
+    w, residual = jitted_weights(iters)(jnp.asarray(outputs), jnp.asarray(available), jnp.asarray(prior),
+                                        jnp.asarray(tau))
+    w, residual = np.asarray(w), np.asarray(residual)
+    assert residual.max() <= 1e-4
+    assert np.all(w >= 0) and np.all(w[~available] == 0.0)
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
+    ref_w, ref_residual = reference_nash(outputs, available, prior, float(tau), iters)
+    np.testing.assert_allclose(w, ref_w, atol=2e-5)  # float32 vs float64 rounding of O(1) quantities
+    assert ref_residual.max() <= np.sqrt(2) * 2.0**-iters  # the contraction bound of the docstring
+
+
+@settings(max_examples=40, deadline=None)
+@given(games(), st.integers(0, 2**32 - 1))
+def test_best_response_is_a_half_contraction_so_the_equilibrium_is_unique(game, seed):
+    """|BR(w) - BR(w')| <= |w - w'| / 2 on the simplex (reference BR), and every start reaches one point."""
+    outputs, available, prior, tau = game
+    rng = np.random.default_rng(seed)
+    br, start, idx = reference_game(outputs[0], available[0], prior, float(tau))
+    for _ in range(5):
+        a, b = rng.dirichlet(np.ones(len(idx))), rng.dirichlet(np.ones(len(idx)))
+        assert np.linalg.norm(br(a) - br(b)) <= 0.5 * np.linalg.norm(a - b) + 1e-12
+    ends = []
+    for w in (start, rng.dirichlet(np.ones(len(idx))), np.eye(len(idx))[0]):
+        for _ in range(80):
+            w = br(w)
+        ends.append(w)
+    np.testing.assert_allclose(ends[1], ends[0], atol=1e-12)
+    np.testing.assert_allclose(ends[2], ends[0], atol=1e-12)
+
+
+@pytest.mark.parametrize("factor", [1e-2, 10.0, 1e3])
+def test_rescaling_every_output_moves_neither_weights_nor_sparsity_term(factor):
+    outputs = jnp.asarray(random_outputs(0, 24, 3, 16))
+    available = jnp.asarray(np.arange(24)[:, None] + 1 >= np.array([1, 2, 4])[None, :])
+    layer = ScaleAggregation(3, "nash", num_iters=DEFAULT.nash_iters, temperature=0.05)
+    layer = eqx.tree_at(lambda m: m.prior, layer, jnp.asarray([0.3, -0.2, 0.5]))  # a trained-looking prior
+    base = layer(outputs, available)
+    scaled = layer(outputs * factor, available)
+    assert float(jnp.max(jnp.abs(scaled.weights - base.weights))) <= 1e-5
+    assert float(jnp.max(jnp.abs(scaled.entropy - base.entropy))) <= 1e-5
+    assert float(jnp.max(jnp.abs(scaled.output - factor * base.output))) <= 1e-5 * factor
+
+
+def test_gradients_through_the_solver_match_finite_differences_in_float64():
+    with jax.enable_x64(True):
+        outputs = jnp.asarray(random_outputs(1, 4, 3, 5), jnp.float64)
+        available = jnp.asarray([[True, False, False], [True, True, False], [True, True, True],
+                                 [True, True, True]])
+        target = jnp.asarray(np.random.default_rng(2).normal(size=(4, 5)))
+
+        def objective(outputs, prior, tau):  # check_grads passes NumPy arrays for the perturbed points
+            outputs, prior, tau = jnp.asarray(outputs), jnp.asarray(prior), jnp.asarray(tau)
+            w, _ = nash_weights(outputs, available, prior, tau, num_iters=DEFAULT.nash_iters)
+            return jnp.sum(combine(outputs, w) * target) + jnp.sum(normalised_entropy(w, available))
+
+        args = (outputs, jnp.asarray([0.2, -0.1, 0.4], jnp.float64), jnp.asarray(0.3, jnp.float64))
+        check_grads(objective, args, order=1, modes=("rev", "fwd"))
+
+
+def test_distinct_scales_move_nash_weights_away_from_the_prior_at_initialisation():
+    """Fails for the aggregation this replaced (unnormalised errors, temperature 1): < 0.02 there."""
+    outputs = jnp.asarray(random_outputs(3, 64, 3, DEFAULT.d_model))
+    available = jnp.ones((64, 3), bool)
+    layer = ScaleAggregation(3, "nash", num_iters=DEFAULT.nash_iters, temperature=DEFAULT.nash_temperature)
+    nash = layer(outputs, available).weights
+    convex = prior_weights(layer.prior, available)
+    assert float(jnp.max(jnp.abs(nash - convex))) >= 0.05
+
+
+def test_the_temperature_is_learned_and_changes_the_weights():
+    outputs = jnp.asarray(random_outputs(4, 16, 3, 16))
+    available = jnp.ones((16, 3), bool)
+    prior = jnp.zeros(3)
+    hot = nash_weights(outputs, available, prior, jnp.asarray(10.0), num_iters=16)[0]
+    cold = nash_weights(outputs, available, prior, jnp.asarray(0.01), num_iters=16)[0]
+    assert float(jnp.max(jnp.abs(hot - cold))) > 0.02
+    grad = jax.grad(lambda t: jnp.sum(nash_weights(outputs, available, prior, t, num_iters=16)[0][:, 1]))(
+        jnp.asarray(0.1))
+    assert bool(jnp.isfinite(grad)) and float(grad) != 0.0
+
+
+def test_weights_are_per_position_not_pooled():
+    outputs = jnp.asarray(random_outputs(5, 12, 3, 8))
+    available = jnp.ones((12, 3), bool)
+    args = (jnp.zeros(3), jnp.asarray(0.1))
+    a = jitted_weights(16)(outputs, available, *args)[0]
+    b = jitted_weights(16)(outputs.at[-1, 2].multiply(50.0), available, *args)[0]
+    assert np.array_equal(np.asarray(a[:-1]), np.asarray(b[:-1]))
+    assert not np.array_equal(np.asarray(a[-1]), np.asarray(b[-1]))
+
+
+def test_the_scale_that_disagrees_with_the_others_gets_the_least_weight():
+    base = jax.random.normal(jax.random.key(1), (12, 1, 8))
+    outputs = jnp.concatenate([base, base + 0.01, base + 5.0], axis=1)
+    w = jitted_weights(16)(outputs, jnp.ones((12, 3), bool), jnp.zeros(3), jnp.asarray(0.1))[0]
+    assert bool(jnp.all(w[:, 2] < w[:, 0] - 0.03)) and bool(jnp.all(w[:, 2] < w[:, 1] - 0.03))
+
+
+def test_identical_outputs_give_finite_gradients():
+    """Every scale agrees: all errors and the spread are exactly 0 (no sqrt(0) gradient)."""
+    same = jnp.broadcast_to(jax.random.normal(jax.random.key(2), (12, 1, 8)), (12, 3, 8))
+    available = jnp.ones((12, 3), bool).at[:3, 2].set(False)
+    target = jax.random.normal(jax.random.key(3), (12, 8))
+
+    def loss(outputs, prior, tau):
+        w, _ = nash_weights(outputs, available, prior, tau, num_iters=16)
+        return jnp.sum(combine(outputs, w) * target) + jnp.sum(normalised_entropy(w, available))
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        grads = jax.grad(loss, argnums=(0, 1, 2))(same.astype(dtype), jnp.zeros(3), jnp.asarray(0.1))
+        assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
+        assert bool(jnp.any(grads[0] != 0))
+
+
+def test_normalised_entropy_per_position():
+    available = jnp.array([[True, True, True], [True, True, False], [True, False, False]])
+    uniform = jnp.array([[1 / 3] * 3, [0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    onehot = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    np.testing.assert_allclose(np.asarray(normalised_entropy(uniform, available)), [1.0, 1.0, 0.0], atol=1e-6)
+    assert np.all(np.asarray(normalised_entropy(onehot, available)) == 0.0)
+    assert bool(jnp.all(jnp.isfinite(jax.grad(lambda w: jnp.sum(normalised_entropy(w, available)))(onehot))))
+
+
+# ----------------------------------------------------------------------------- coarse renormalisation
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_coarse_attention_logits_start_at_the_fine_scale_rms(preset):
+    config = ModelConfig.preset(preset)
+    model = LanguageModel(config, key=jax.random.key(0))
+    attn = jax.tree.map(lambda a: a[0], model.blocks).attn  # first layer
+    ids = jax.random.randint(jax.random.key(1), (2, config.seq_len), 0, config.vocab_size)
+    x = model.embedding[ids]
+    x = x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + config.norm_eps)  # the attention's input at init
+
+    def logit_rms(level: int, inputs: jax.Array) -> float:
+        q, k = attn.queries_keys(level, inputs)
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(config.head_dim)
+        return float(jnp.sqrt(jnp.mean(scores**2)))
+
+    fine = logit_rms(0, x)
+    for level in range(1, config.num_scales):
+        ratio = logit_rms(level, attn.coarse_input(level, x)) / fine
+        assert 0.5 <= ratio <= 2.0, (level, ratio)
+
+
+# ---------------------------------------------------------------------------------- Hyper-Connections
+def reference_hc(x, norm_gain, eps, w_m, w_beta, w_r, s_alpha, s_beta, s_res, a_m, b, a_r, sublayer):
+    """Dynamic Hyper-Connections (Zhu et al. 2409.19606, sec. 2.3 with the mHC paper's RMSNorm), float64.
+
+    For each token: H̄ = norm(H) per stream; A_m = s_alpha tanh(H̄ w_m) + A_m; B = s_beta tanh(H̄ w_beta) + B;
+    A_r = s_res tanh(H̄ W_r) + A_r (row i from stream i); h_0 = A_m^T H; Ĥ = B^T T(h_0) + A_r^T H.
+    """
+    out = np.zeros_like(x, dtype=np.float64)
+    for t in range(x.shape[0]):
+        h = x[t].astype(np.float64)  # [n, D]
+        hbar = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * norm_gain
+        am = s_alpha * np.tanh(hbar @ w_m) + a_m  # [n]
+        bb = s_beta * np.tanh(hbar @ w_beta) + b  # [n]
+        ar = s_res * np.tanh(hbar @ w_r) + a_r  # [n, n], row i from stream i
+        h0 = am @ h
+        out[t] = np.outer(bb, sublayer(h0)) + ar.T @ h
+    return out
+
+
+def test_hc_matches_the_published_equations():
+    n, dim, seq = 4, 16, 5
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(seq, n, dim)).astype(np.float32)
+    gain = 1 + 0.1 * rng.normal(size=dim)
+    w_m, w_beta, w_r = rng.normal(size=dim) * 0.3, rng.normal(size=dim) * 0.3, rng.normal(size=(dim, n)) * 0.3
+    s_alpha, s_beta, s_res = 0.7, -0.4, 0.5
+    a_m, b, a_r = rng.normal(size=n), rng.normal(size=n), rng.normal(size=(n, n))
+    weight = rng.normal(size=(dim, dim)) / np.sqrt(dim)
+
+    layer = HyperConnection("hc", n, dim, eps=1e-6, key=jax.random.key(0))
+    theta = np.concatenate([w_m[:, None], w_beta[:, None], w_r], axis=1)  # [pre | post | res] columns
+    values = (theta, [s_alpha, s_beta, s_res], a_m, b, a_r.T, gain)  # our H_res[j, i] is the paper's A_r[i, j]
+    layer = eqx.tree_at(lambda m: (m.phi, m.alpha, m.b_pre, m.b_post, m.b_res, m.norm.weight), layer,
+                        tuple(jnp.asarray(v, jnp.float32) for v in values))
+    got, _ = layer(jnp.asarray(x), lambda u: jnp.tanh(u @ jnp.asarray(weight, jnp.float32)))
+    want = reference_hc(x, gain, 1e-6, w_m, w_beta, w_r, s_alpha, s_beta, s_res, a_m, b, a_r,
+                        lambda u: np.tanh(u @ weight))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+def test_hc_starts_as_the_pre_norm_residual_transformer():
+    """One-hot H_pre, H_post = 1, H_res = I and zero dynamic weights: the plain model's function at step 0.
+
+    (A negligible norm eps: the final RMSNorm of the n-stream sum sees n·x where the plain model sees x.)
+    """
+    hc = LanguageModel(ModelConfig.preset("tiny", residual="hc", norm_eps=1e-12), key=jax.random.key(5))
+    plain = LanguageModel(ModelConfig.preset("tiny", residual="plain", norm_eps=1e-12), key=jax.random.key(5))
+    ids = jax.random.randint(jax.random.key(6), (2, 64), 0, 259)
+    np.testing.assert_allclose(np.asarray(hc(ids).logits), np.asarray(plain(ids).logits), atol=2e-5)
+    b_pre = np.asarray(hc.blocks.attn_hc.b_pre), np.asarray(hc.blocks.ffn_hc.b_pre)
+    n = hc.config.num_streams
+    for layer in range(hc.config.num_layers):  # sublayer k reads stream k mod n
+        assert np.argmax(b_pre[0][layer]) == (2 * layer) % n and np.argmax(b_pre[1][layer]) == (2 * layer + 1) % n
+
+
+# ------------------------------------------------------------------------------------- sparsity term
+def test_sparsity_term_weighs_positions_by_the_loss_mask():
+    from nash_mhc.training import Batch, eval_step
+
+    model = LanguageModel(ModelConfig.preset("tiny"), key=jax.random.key(7))
+    prior = jax.random.normal(jax.random.key(9), model.blocks.attn.aggregation.prior.shape)  # non-uniform weights
+    model = eqx.tree_at(lambda m: m.blocks.attn.aggregation.prior, model, prior)
+    tokens = np.asarray(jax.random.randint(jax.random.key(8), (8, 65), 0, 259))
+    entropy = np.asarray(model(jnp.asarray(tokens[:, :-1])).entropy, np.float64)  # [B, T], 0 without a choice
+    choice = np.arange(64) + 1 >= model.config.block_sizes[1]
+    mask = np.ones((8, 64), np.float32)
+    mask[:, 40:] = 0.0  # e.g. padding after a document end
+    mask[3] = 0.0
+    got = float(eval_step(model, Batch(tokens=tokens, loss_mask=mask))["aux_loss"])
+    weight = mask * choice
+    assert got == pytest.approx(float(np.sum(weight * entropy) / np.sum(weight)), rel=1e-5)
+    unmasked = float(eval_step(model, Batch(tokens=tokens))["aux_loss"])
+    assert unmasked == pytest.approx(float(np.sum(entropy * choice) / (8 * choice.sum())), rel=1e-5)
+    assert abs(got - unmasked) > 1e-4  # the masked positions really were left out
