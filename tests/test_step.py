@@ -107,8 +107,9 @@ def test_training_makes_progress_and_logs(runs):
     metrics = runs[(1, 1, 1)]["metrics"]
     schedule = make_schedule(TRAIN)
     for step, m in enumerate(metrics):
-        assert set(m) >= {"loss", "ce_loss", "aux_loss", "grad_norm", "learning_rate", "tokens", "skipped"}
-        assert m["skipped"] == 0.0
+        assert set(m) >= {"loss", "ce_loss", "aux_loss", "grad_norm", "learning_rate", "tokens", "skipped",
+                          "nash_residual", "nash_temperature"}
+        assert m["skipped"] == 0.0 and 0.0 <= m["nash_residual"] <= 1e-4 and m["nash_temperature"] > 0
         assert m["learning_rate"] == pytest.approx(float(schedule(step)), rel=1e-6)
         assert m["loss"] == pytest.approx(m["ce_loss"] + MODEL.sparsity_weight * m["aux_loss"], rel=1e-6)
         assert 0.0 < m["aux_loss"] <= 1.0 and m["grad_norm"] > 0
@@ -142,7 +143,7 @@ def reference_terms(logits: np.ndarray, targets: np.ndarray, mask: np.ndarray) -
 
 @pytest.mark.parametrize("shape", [(1, 1, 8), (2, 2, 2), (1, 1, 5)])
 def test_vocab_parallel_cross_entropy_matches_dense(shape):
-    """Σ NLL, count, aux and d(mean CE)/d(logits) equal optax's dense result; (1,1,5): 384 % 5 != 0, so
+    """Σ NLL, count, Σ weight·entropy and d(mean CE)/d(logits) equal the dense result; (1,1,5): 384 % 5 != 0, so
     the vocabulary falls back to replicated and no tp collective is used."""
     needs_8_devices()
     mesh = make_mesh(*shape, devices=jax.devices()[:math.prod(shape)])
@@ -153,17 +154,20 @@ def test_vocab_parallel_cross_entropy_matches_dense(shape):
     logits[..., real:] = -1e30  # the model's vocab padding
     targets = rng.integers(0, real, (8, 4)).astype(np.int32)
     mask = (rng.random((8, 4)) < 0.7).astype(np.float32)
-    aux = rng.random(8).astype(np.float32)
+    entropy = rng.random((8, 4)).astype(np.float32)
+    aux_weight = mask * np.array([0, 1, 1, 1], np.float32)  # e.g. position 0 has no choice of scales
+    aux_args = (jnp.asarray(entropy), jnp.asarray(aux_weight), mesh)
 
     def mean_ce(x: jax.Array) -> jax.Array:
-        ce_sum, count, _ = loss_terms(x, jnp.asarray(targets), jnp.asarray(mask), jnp.asarray(aux), mesh)
+        ce_sum, count, _ = loss_terms(x, jnp.asarray(targets), jnp.asarray(mask), *aux_args)
         return ce_sum / count
 
     ce_sum, count, aux_sum = jax.jit(lambda x: loss_terms(x, jnp.asarray(targets), jnp.asarray(mask),
-                                                          jnp.asarray(aux), mesh))(jnp.asarray(logits))
+                                                          *aux_args))(jnp.asarray(logits))
     ref_sum, ref_count = reference_terms(logits, targets, mask)
     assert float(ce_sum) == pytest.approx(ref_sum, rel=1e-6)
-    assert float(count) == ref_count and float(aux_sum) == pytest.approx(float(aux.sum()), rel=1e-6)
+    assert float(count) == ref_count
+    assert float(aux_sum) == pytest.approx(float(np.sum(entropy * aux_weight)), rel=1e-6)
     grad = jax.jit(jax.grad(mean_ce))(jnp.asarray(logits))
 
     def ref_mean(x: jax.Array) -> jax.Array:
@@ -182,7 +186,10 @@ def test_eval_step_matches_dense_reference(runs):
     ce_sum, count = reference_terms(np.asarray(out.logits), batch.tokens[:, 1:], batch.loss_mask)
     assert float(metrics["tokens"]) == count
     assert float(metrics["ce_loss"]) == pytest.approx(ce_sum / count, rel=1e-5)
-    assert float(metrics["aux_loss"]) == pytest.approx(float(jnp.mean(out.aux_loss)), rel=1e-5)
+    seq = out.entropy.shape[-1]  # the sparsity term: entropy over masked positions that have a choice of scales
+    weight = np.asarray(batch.loss_mask, np.float64) * (np.arange(seq) + 1 >= MODEL.block_sizes[1])
+    expected_aux = np.sum(weight * np.asarray(out.entropy, np.float64)) / np.sum(weight)
+    assert float(metrics["aux_loss"]) == pytest.approx(expected_aux, rel=1e-5)
     assert float(metrics["loss"]) == pytest.approx(
         float(metrics["ce_loss"]) + MODEL.sparsity_weight * float(metrics["aux_loss"]), rel=1e-6)
 

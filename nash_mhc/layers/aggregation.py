@@ -50,8 +50,8 @@ class ScaleAggregation(eqx.Module):
         self.num_iters = num_iters
 
     @property
-    def temperature(self) -> Float[Array, ""] | None:
-        """The learned tau (None for the convex aggregation)."""
+    def temperature(self) -> Float[Array, "*layers"] | None:
+        """The learned tau (per layer for a stacked module; None for the convex aggregation)."""
         return None if self.log_temperature is None else jnp.exp(self.log_temperature)
 
     @jaxtyped(typechecker=beartype)

@@ -174,7 +174,7 @@ def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
     params, static = eqx.partition(state.model, eqx.is_inexact_array)
 
     def microbatch(carry: tuple[PyTree, jax.Array, jax.Array], xs: tuple[jax.Array, ...]
-                   ) -> tuple[tuple[PyTree, jax.Array, jax.Array], jax.Array]:
+                   ) -> tuple[tuple[PyTree, jax.Array, jax.Array], dict[str, jax.Array]]:
         grad_acc, ce_acc, aux_acc = carry
 
         def objective(p: PyTree) -> tuple[jax.Array, tuple[jax.Array, jax.Array, dict[str, jax.Array]]]:
