@@ -205,8 +205,9 @@ class ModelConfig(ConfigMethods):
         return sum(self.param_counts().values())
 
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token: layer matmuls and the LM head."""
-        return self.param_counts()["layers_matmul"] + self.padded_vocab_size * self.d_model
+        """Parameters that take part in a matmul per token: layer matmuls and the LM head over the real
+        vocabulary (the padding columns are computed, but they are not model FLOPs)."""
+        return self.param_counts()["layers_matmul"] + self.vocab_size * self.d_model
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward).
