@@ -104,7 +104,15 @@ def test_sharded_steps_match_one_device(runs, shape):
 
 
 def test_training_makes_progress_and_logs(runs):
-    metrics = runs[(1, 1, 1)]["metrics"]
+    """Progress: after the 5 steps, every batch's loss is below the loss the step that trained on it saw (the
+    model learned from it; seen: by 0.06 nats for the last one up to 0.35 for the first, trained on 4 times
+    longer). Logs: every metric is present and consistent with the schedule and the loss terms."""
+    run = runs[(1, 1, 1)]
+    metrics = run["metrics"]
+    after = [float(eval_step(run["state"].model, batch)["ce_loss"]) for batch in run["batches"]]
+    before = [m["ce_loss"] for m in metrics]
+    assert all(a < b for a, b in zip(after, before, strict=True)), (before, after)
+    assert before[0] - after[0] > 0.2, (before, after)
     schedule = make_schedule(TRAIN)
     for step, m in enumerate(metrics):
         assert set(m) >= {"loss", "ce_loss", "aux_loss", "grad_norm", "learning_rate", "tokens", "skipped"}
