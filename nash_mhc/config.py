@@ -214,14 +214,15 @@ class ModelConfig(ConfigMethods):
         return sum(self.param_counts().values())
 
     def matmul_params(self) -> int:
-        """Multiply-adds per token of the weight matmuls: layer matmuls and the LM head.
+        """Multiply-adds per token of the weight matmuls: layer matmuls and the LM head over the real
+        vocabulary (the padding columns are computed, but they are not model FLOPs).
 
         Each parameter counts once, except hc's per-stream Θ, which every one of the n streams uses.
         """
         hc_reuse = 0
         if self.residual == "hc" and self.num_streams > 1:
             hc_reuse = (self.num_streams - 1) * 2 * self.d_model * self.num_hc_coefficients * self.num_layers
-        return self.param_counts()["layers_matmul"] + hc_reuse + self.padded_vocab_size * self.d_model
+        return self.param_counts()["layers_matmul"] + hc_reuse + self.vocab_size * self.d_model
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward).

@@ -1,10 +1,15 @@
-"""Test-suite set-up: type-check the whole package with the jaxtyping import hook, float32 everywhere."""
+"""Test-suite set-up: the CPU platform with 8 host devices on every machine, the jaxtyping import hook over the
+whole package, float32 matmuls at full precision, and per-test timeouts (longer for ``slow`` tests)."""
 
 from __future__ import annotations
 
 import os
 
-# 8 fake CPU devices for the sharding tests; must be set before JAX initialises its backend.
+import pytest
+
+# The suite runs the same on a TPU VM or GPU host as on a CPU: the CPU platform with 8 fake devices for the
+# sharding tests (accelerator throughput lives in benchmarks/). Both must be set before JAX starts a backend.
+os.environ["JAX_PLATFORMS"] = "cpu"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
@@ -22,3 +27,13 @@ with install_import_hook("nash_mhc", "beartype.beartype"):
     import nash_mhc.data  # noqa: F401  (not imported by the package __init__)
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+SLOW_TIMEOUT_S = 1800  # the default (pyproject.toml, [tool.pytest.ini_options] timeout) is for the others
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``slow`` tests get :data:`SLOW_TIMEOUT_S` unless they set a timeout of their own."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))

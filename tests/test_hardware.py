@@ -34,8 +34,8 @@ def no_devices(path: str) -> bool:
 
 def test_summary_lines_describe_platform_kind_and_layout():
     lines = hardware.summary_lines(env={}, exists=no_devices)
-    count = jax.device_count()
-    assert lines[0] == f"devices: {count} x cpu (cpu), 1 process(es)"
+    count, first = jax.device_count(), jax.devices()[0]
+    assert lines[0] == f"devices: {count} x {first.device_kind} ({first.platform}), 1 process(es)"
     assert lines[1] == f"layout: process 0 of 1, {count} local device(s) per process, 1 host(s)"
     assert lines[2] == f"platform: jax {jax.__version__}" and len(lines) == 3
     tpu_vm = hardware.summary_lines(env={"TPU_ACCELERATOR_TYPE": "v4-32"}, exists=no_devices)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from nash_mhc import LanguageModel, ModelConfig
+from nash_mhc.model import Block
 
 SEQ = 32
 
@@ -25,8 +26,8 @@ def tokens(seed: int = 0, seq: int = SEQ, batch: int | None = None) -> jax.Array
 def perturbed(model: LanguageModel, scale: float = 0.05, seed: int = 1) -> LanguageModel:
     """Move every parameter off its symmetric initial value (a stand-in for a trained model)."""
     leaves, treedef = jax.tree.flatten(eqx.filter(model, eqx.is_array))
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    rng = np.random.default_rng(seed)  # NumPy: no per-shape compilation of jax.random
+    noisy = [x + jnp.asarray(scale * rng.standard_normal(x.shape), x.dtype) for x in leaves]
     return eqx.combine(jax.tree.unflatten(treedef, noisy), model)
 
 
@@ -58,23 +59,78 @@ def test_mhc_with_one_stream_equals_plain_exactly():
     assert float(out_a.aux_loss) == float(out_b.aux_loss)
 
 
-@pytest.mark.parametrize("residual", ["mhc", "hc"])
-def test_composite_residual_mapping_has_unit_gain_at_init(residual):
-    """The paper's Amax gain magnitude of Π H_res over all sublayers stays within [0.5, 2] at step 0."""
+@eqx.filter_jit
+def residual_maps(model: LanguageModel, tokens: jax.Array) -> jax.Array:
+    return model(tokens, return_residual_maps=True).residual_maps
+
+
+def amax_gain(maps: jax.Array) -> float:
+    """The mHC paper's Amax gain magnitude of Π H_res: the largest absolute row or column sum over tokens."""
+    composite = functools.reduce(lambda acc, h: jnp.einsum("tij,tjk->tik", h, acc), maps)
+    return max(float(jnp.max(jnp.sum(jnp.abs(composite), axis=-1))),
+               float(jnp.max(jnp.sum(jnp.abs(composite), axis=-2))))
+
+
+@pytest.mark.parametrize("residual, moved", [("mhc", False), ("mhc", True), ("hc", True)])
+def test_composite_residual_mapping_keeps_unit_gain_only_under_the_manifold_constraint(residual, moved):
+    """Π H_res over all 12 sublayers, at init and with every parameter moved by 0.05 (a stand-in for training).
+
+    mHC's maps are doubly stochastic, so their product is too: gain 1 up to Sinkhorn's column residual after
+    20 iterations, |gain − 1| ≤ 0.01 (seen: 3e-4 at init, 2e-3 moved). HC's unconstrained maps do not keep it
+    once the parameters move (seen: 2.4): |gain − 1| > 0.1.
+    """
     config = ModelConfig.preset("tiny", residual=residual, num_layers=6)
     model = LanguageModel(config, key=jax.random.key(0))
-    maps = model(tokens(), return_residual_maps=True).residual_maps
+    model = perturbed(model) if moved else model
+    maps = residual_maps(model, tokens())
     assert maps is not None and maps.shape == (2 * config.num_layers, SEQ, 4, 4)
-    composite = functools.reduce(lambda acc, h: jnp.einsum("tij,tjk->tik", h, acc), maps)
-    rows = jnp.max(jnp.sum(jnp.abs(composite), axis=-1))
-    cols = jnp.max(jnp.sum(jnp.abs(composite), axis=-2))
-    assert 0.5 <= float(rows) <= 2.0 and 0.5 <= float(cols) <= 2.0
+    gain = amax_gain(maps)
+    if residual == "mhc":
+        assert abs(gain - 1.0) <= 0.01, gain
+    else:
+        assert abs(gain - 1.0) > 0.1, gain
+
+
+@eqx.filter_jit
+def run_block(block: Block, x: jax.Array) -> jax.Array:
+    return block(x)[0]
+
+
+def streams_after_each_block(model: LanguageModel, tokens: jax.Array) -> list[jax.Array]:
+    """The residual state X [T, n, D] after every block, running the stacked blocks one at a time."""
+    params, static = eqx.partition(model.blocks, eqx.is_array)
+    x, states = model.embed(tokens), []
+    for layer in range(model.config.num_layers):
+        x = run_block(eqx.combine(jax.tree.map(lambda a, layer=layer: a[layer], params), static), x)
+        states.append(x)
+    return states
 
 
 def test_mhc_streams_stay_identical_at_init_like_a_prenorm_residual():
-    """Row-stochastic H_res maps identical streams to themselves: diag(H_res) ≈ 1 and res_diag reported."""
-    out = LanguageModel(ModelConfig.preset("tiny"), key=jax.random.key(0))(tokens())
-    assert 0.9 < float(out.res_diag) <= 1.0
+    """The n streams start as copies of the embedding, and at init every block keeps them (nearly) copies.
+
+    With the coefficient projections off (α = 0) H_pre, H_post and H_res are the same for every token and
+    stream, and a row-stochastic H_res maps identical streams to themselves: the streams agree to float32
+    rounding (≤ 1e-5 of their scale: 12 sublayers whose H_res rows sum to 1 within ~n·eps; seen 1.1e-6).
+    At the real init (α = 0.01) the streams differ only through the small
+    per-stream spread of H_post: by at most 5 % of the block's update (seen: 1.2 %; HC at its init: 20 %).
+    """
+    model = LanguageModel(ModelConfig.preset("tiny", num_layers=6), key=jax.random.key(0))
+    no_projection = eqx.tree_at(lambda m: (m.blocks.attn_hc.alpha, m.blocks.ffn_hc.alpha), model,
+                                replace_fn=jnp.zeros_like)
+    for states, bound in ((streams_after_each_block(no_projection, tokens()), None),
+                          (streams_after_each_block(model, tokens()), 0.05)):
+        previous = model.embed(tokens())
+        for x in states:
+            spread = float(jnp.max(jnp.abs(x - x[:, :1])))
+            if bound is None:
+                assert spread <= 1e-5 * float(jnp.max(jnp.abs(x))), spread
+            else:
+                update = float(jnp.max(jnp.abs(x - previous)))
+                assert 0 < spread <= bound * update, (spread, update)
+            previous = x
+    out = model(tokens())
+    assert 0.9 < float(out.res_diag) <= 1.0  # diag(H_res) ≈ 1 (b_res = τ·I), reported as res_diag
     np.testing.assert_allclose(float(jnp.sum(out.scale_weights)), 1.0, atol=1e-5)
 
 
@@ -100,7 +156,7 @@ def test_gradients_finite_when_all_scales_agree(dtype):
     assert bool(jnp.isfinite(loss)) and all_finite(grads)
 
 
-@pytest.mark.parametrize("aggregation", ["nash", "convex"])
+@pytest.mark.parametrize("aggregation", ["nash", pytest.param("convex", marks=pytest.mark.slow)])  # convex: a compile
 def test_aggregation_weights_receive_gradient(aggregation):
     model = perturbed(LanguageModel(ModelConfig.preset("tiny", aggregation=aggregation), key=jax.random.key(0)))
     _, grads = value_and_grad(model, tokens(batch=2, seq=SEQ + 1))
@@ -125,6 +181,7 @@ def test_untied_head_and_bfloat16_compute():
     assert out.logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out.logits[:, :config.vocab_size])))
 
 
+@pytest.mark.slow
 def test_remat_policies_do_not_change_results():
     batch = tokens(batch=2, seq=SEQ + 1)
     results = {}
@@ -188,6 +245,7 @@ def test_layers_run_in_one_scan_and_program_size_is_flat_in_depth():
     assert sizes[3] == sizes[6]
 
 
+@pytest.mark.slow
 def test_tiny_forward_backward_compiles_quickly():
     config = ModelConfig.preset("tiny")
     model = LanguageModel(config, key=jax.random.key(0))

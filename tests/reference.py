@@ -1,0 +1,158 @@
+"""Float64 NumPy reference of the Nash-MHC model, written from the equations of DESIGN.md §1 and the docstrings.
+
+Independent of the JAX code on purpose: nothing here imports ``nash_mhc``, so a mistake there cannot hide in a
+helper both sides share. Every function takes plain arrays (any float dtype, converted to float64), returns
+float64 arrays, and favours the most literal form of its equation (explicit loops over blocks and positions)
+over speed. Shapes use the letters of nash_mhc/config.py: T tokens, D width, n streams, H heads, K head dim,
+s block size.
+
+Sections, bottom up; a new piece goes into the section it belongs to and reuses only what sits above it:
+
+1. primitives: logsumexp, softmax, sigmoid, silu
+2. ops: rms_norm, rope, attention / causal_attention, sinkhorn, downsample, upsample_shifted
+3. residual connections: ``connection`` (u = Σ_k H_pre[k] X[k], y = F(u), X ← H_res X + H_post ⊗ y) is shared
+   by every mode; a mode only supplies its coefficients (``mhc_coefficients``). The published HC coefficients
+   go next to them.
+4. layers: swiglu. The scale aggregation (Nash, convex), multiscale attention and a whole block go here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+Array = np.ndarray
+
+
+def f64(x: object) -> Array:
+    return np.asarray(x, dtype=np.float64)
+
+
+# ------------------------------------------------------------------------------------------ 1. primitives
+def logsumexp(x: Array, axis: int) -> Array:
+    x = f64(x)
+    peak = np.max(x, axis=axis, keepdims=True)
+    return np.squeeze(peak, axis) + np.log(np.sum(np.exp(x - peak), axis=axis))
+
+
+def softmax(x: Array, axis: int = -1) -> Array:
+    x = f64(x)
+    return np.exp(x - np.expand_dims(logsumexp(x, axis), axis))
+
+
+def sigmoid(x: Array) -> Array:
+    return 1.0 / (1.0 + np.exp(-f64(x)))
+
+
+def silu(x: Array) -> Array:
+    return f64(x) * sigmoid(x)
+
+
+# ------------------------------------------------------------------------------------------------ 2. ops
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """x / sqrt(mean(x²) + eps) · weight over the last axis."""
+    x = f64(x)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * f64(weight)
+
+
+def rope(x: Array, positions: Array, spacing: int = 1, theta: float = 10000.0) -> Array:
+    """Rotate-half RoPE of x [..., T, H, K], token j at position positions[j]·spacing.
+
+    Pairs (x[i], x[i + K/2]) rotate by the angle position · θ^(−i/(K/2)), i = 0..K/2−1.
+    """
+    x = f64(x)
+    half = x.shape[-1] // 2
+    out = np.empty_like(x)
+    for j, p in enumerate(np.asarray(positions)):
+        for i in range(half):
+            angle = float(p) * spacing * theta ** (-i / half)
+            a, b = x[..., j, :, i], x[..., j, :, i + half]
+            out[..., j, :, i] = a * np.cos(angle) - b * np.sin(angle)
+            out[..., j, :, i + half] = a * np.sin(angle) + b * np.cos(angle)
+    return out
+
+
+def attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """softmax(q kᵀ / √K) v per head over the keys allowed by mask [Tq, Tk]; q [Tq, H, K], k, v [Tk, H, K]."""
+    q, k, v = f64(q), f64(k), f64(v)
+    scores = np.einsum("qhk,shk->hqs", q, k) / np.sqrt(q.shape[-1])
+    scores = np.where(np.asarray(mask, bool)[None], scores, -np.inf)
+    return np.einsum("hqs,shk->qhk", softmax(scores, axis=-1), v)
+
+
+def causal_attention(q: Array, k: Array, v: Array) -> Array:
+    """attention with query i seeing keys j ≤ i."""
+    seq = q.shape[0]
+    return attention(q, k, v, np.tril(np.ones((seq, seq), bool)))
+
+
+def sinkhorn(logits: Array, num_iters: int) -> Array:
+    """exp(z) after ``num_iters`` rounds of (columns sum to 1, then rows sum to 1), in log space; [..., n, n]."""
+    z = f64(logits)
+    for _ in range(num_iters):
+        z = z - np.expand_dims(logsumexp(z, axis=-2), -2)  # columns
+        z = z - np.expand_dims(logsumexp(z, axis=-1), -1)  # rows
+    return np.exp(z)
+
+
+def downsample(x: Array, weights: Array) -> Array:
+    """Coarse token j = Σ_o weights[o] ⊙ x[j·s + o] over the fine tokens of block j that exist; x [T, D]."""
+    x, weights = f64(x), f64(weights)
+    seq, block = x.shape[0], weights.shape[0]
+    blocks = -(-seq // block)
+    out = np.zeros((blocks, x.shape[1]))
+    for j in range(blocks):
+        for o in range(block):
+            if j * block + o < seq:
+                out[j] += weights[o] * x[j * block + o]
+    return out
+
+
+def upsample_shifted(y: Array, seq_len: int, block: int) -> tuple[Array, Array]:
+    """Fine position i reads coarse y[⌊(i+1)/s⌋ − 1]; where that index is < 0: zeros and available False."""
+    y = f64(y)
+    out = np.zeros((seq_len, y.shape[1]))
+    available = np.zeros(seq_len, bool)
+    for i in range(seq_len):
+        j = (i + 1) // block - 1
+        if j >= 0:
+            out[i] = y[j]
+            available[i] = True
+    return out, available
+
+
+# ------------------------------------------------------------------------------- 3. residual connections
+Coefficients = tuple[Array, Array, Array]  # H_pre [T, n], H_post [T, n], H_res [T, n, n]
+Sublayer = Callable[[Array], Array]  # [T, D] -> [T, D]
+
+
+def connection(x: Array, coefficients: Coefficients, sublayer: Sublayer) -> Array:
+    """X [T, n, D] ← H_res X + H_post ⊗ F(Σ_k H_pre[k] X[k]), per token."""
+    x = f64(x)
+    h_pre, h_post, h_res = (f64(h) for h in coefficients)
+    u = np.einsum("tk,tkd->td", h_pre, x)
+    y = f64(sublayer(u))
+    return np.einsum("tij,tjd->tid", h_res, x) + h_post[:, :, None] * y[:, None, :]
+
+
+def mhc_coefficients(x: Array, norm_weight: Array, phi: Array, alpha: Array, b_pre: Array, b_post: Array,
+                     b_res: Array, *, eps: float, sinkhorn_iters: int) -> Coefficients:
+    """mHC: x' = RMSNorm(flatten X) over all n·D values, [a_pre | a_post | a_res] = x' Φ,
+    H_pre = σ(α₀ a_pre + b_pre), H_post = 2σ(α₁ a_post + b_post), H_res = Sinkhorn(α₂ a_res + b_res)."""
+    x = f64(x)
+    seq, n, dim = x.shape
+    a = rms_norm(x.reshape(seq, n * dim), norm_weight, eps) @ f64(phi)
+    a_pre, a_post, a_res = a[:, :n], a[:, n:2 * n], a[:, 2 * n:].reshape(seq, n, n)
+    alpha = f64(alpha)
+    h_pre = sigmoid(alpha[0] * a_pre + f64(b_pre))
+    h_post = 2.0 * sigmoid(alpha[1] * a_post + f64(b_post))
+    h_res = sinkhorn(alpha[2] * a_res + f64(b_res), sinkhorn_iters)
+    return h_pre, h_post, h_res
+
+
+# --------------------------------------------------------------------------------------------- 4. layers
+def swiglu(x: Array, w_gate: Array, w_up: Array, w_down: Array) -> Array:
+    """(silu(x W_gate) ⊙ (x W_up)) W_down."""
+    x = f64(x)
+    return (silu(x @ f64(w_gate)) * (x @ f64(w_up))) @ f64(w_down)

@@ -1,0 +1,171 @@
+"""The JAX ops and layers against the float64 NumPy reference in tests/reference.py, in float32.
+
+Inputs are random and of order 1, and parameters are moved far off their initial values so that no term of an
+equation is inert. Each tolerance is stated next to its check with the float32 rounding it allows for; every one
+is far below the error of the mutations listed in the issue (a wrong attention scale, the other Sinkhorn order,
+an upsampling shift off by one, H_post = σ, RoPE spacing 1), which move these outputs by 1e-2 or more.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+
+from nash_mhc import ModelConfig
+from nash_mhc.model import Block
+from nash_mhc.ops import causal_attention, downsample, masked_attention, rope, sinkhorn, upsample_shifted
+
+EPS32 = float(np.finfo(np.float32).eps)  # 1.19e-7
+
+
+def normal(seed: int, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+    return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+
+
+def assert_close(got: object, want: np.ndarray, atol: float, rtol: float = 0.0) -> None:
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=atol, rtol=rtol)
+
+
+@pytest.fixture(scope="module")
+def layer() -> Block:
+    """One ``tiny`` block as the model builds it, every parameter random N(0, 0.2²) (no initialiser runs: the
+    tests set the parameters they read to values of their own)."""
+    shapes = eqx.filter_eval_shape(Block, ModelConfig.preset("tiny"), key=jax.random.key(0))
+    leaves, treedef = jax.tree.flatten(shapes)
+    return jax.tree.unflatten(treedef, [jnp.asarray(normal(i, leaf.shape, 0.2))
+                                        if isinstance(leaf, jax.ShapeDtypeStruct) else leaf
+                                        for i, leaf in enumerate(leaves)])
+
+
+# ----------------------------------------------------------------------------------------------------- ops
+def test_rms_norm_matches_reference(layer):
+    norm = eqx.tree_at(lambda m: m.weight, layer.attn_norm, jnp.asarray(1.0 + normal(1, (64,), 0.5)))
+    x = normal(2, (5, 7, 64), 3.0)
+    # a mean of 64 squares, one rsqrt and two products: a few float32 ulps of outputs of order 1
+    assert_close(norm(jnp.asarray(x)), ref.rms_norm(x, norm.weight, norm.eps), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("spacing", [1, 3, 16])
+def test_rope_matches_reference_at_any_spacing_and_positions(spacing):
+    x = normal(3, (2, 9, 3, 16))
+    positions = np.random.default_rng(4).integers(0, 300, 9)
+    got = rope(jnp.asarray(x), spacing=spacing, positions=jnp.asarray(positions, jnp.int32))
+    # the float32 angle (p·s, an exact integer) · θ^(−i/(K/2)) is rounded twice: ≤ 2·eps·p·s radians, times |x|
+    angle_error = 2 * EPS32 * positions.max() * spacing
+    atol = (angle_error + 4 * EPS32) * np.abs(x).max()
+    assert_close(got, ref.rope(x, positions, spacing), atol=atol)
+    default = rope(jnp.asarray(x), spacing=spacing)  # positions 0..T-1
+    assert_close(default, ref.rope(x, np.arange(9), spacing), atol=atol)
+
+
+@pytest.mark.parametrize("seq", [48, 256])  # one query chunk; four chunks (causal block skipping)
+def test_causal_attention_matches_reference(seq):
+    q, k, v = (normal(seed, (seq, 2, 16), scale) for seed, scale in ((5, 2.0), (6, 1.0), (7, 1.0)))
+    # float32 scores (16-term dots) and a softmax over ≤ 256 keys: errors of a few 1e-7 on outputs of order 1
+    assert_close(causal_attention(*map(jnp.asarray, (q, k, v))), ref.causal_attention(q, k, v), atol=2e-6)
+
+
+def test_masked_attention_matches_reference():
+    q, k, v = normal(8, (5, 2, 16), 2.0), normal(9, (11, 2, 16)), normal(10, (11, 2, 16))
+    mask = np.random.default_rng(11).random((5, 11)) < 0.5
+    mask[:, 0] = True  # every query needs a key
+    got = masked_attention(*map(jnp.asarray, (q, k, v, mask)))
+    assert_close(got, ref.attention(q, k, v, mask), atol=2e-6)
+
+
+@pytest.mark.parametrize("num_iters", [1, 3, 20])
+@pytest.mark.parametrize("n", [2, 4])
+def test_sinkhorn_matches_reference(n, num_iters):
+    """Logits of spread 3 are far from converged after 20 iterations, so the normalisation order shows."""
+    logits = normal(12, (6, n, n), 3.0)
+    # float32 log-sum-exps over n terms; the iteration contracts earlier rounding: ≤ 1.3e-7 seen on entries in [0, 1]
+    assert_close(sinkhorn(jnp.asarray(logits), num_iters), ref.sinkhorn(logits, num_iters), atol=1e-6)
+
+
+@pytest.mark.parametrize("seq, block", [(10, 4), (16, 4), (9, 3), (8, 1)])  # 10, 9: a trailing partial block
+def test_downsample_matches_reference(seq, block):
+    x, weights = normal(13, (2, seq, 6)), normal(14, (block, 6))
+    got = np.asarray(downsample(jnp.asarray(x), jnp.asarray(weights)))
+    for b in range(2):
+        # sums of ≤ 4 float32 products of order 1
+        assert_close(got[b], ref.downsample(x[b], weights), atol=1e-6)
+
+
+@pytest.mark.parametrize("seq, block", [(10, 4), (16, 4), (9, 3), (8, 1), (3, 4)])  # (3, 4): no complete block
+def test_upsample_shifted_matches_reference(seq, block):
+    blocks = -(-seq // block)
+    y = normal(15, (2, blocks, 6))
+    got, available = upsample_shifted(jnp.asarray(y), seq, block)
+    for b in range(2):
+        want, want_available = ref.upsample_shifted(y[b], seq, block)
+        np.testing.assert_array_equal(np.asarray(got[b]), want)  # a gather: exact
+        np.testing.assert_array_equal(np.asarray(available), want_available)
+
+
+# -------------------------------------------------------------------------------------------------- layers
+def test_swiglu_matches_reference(layer):
+    ffn = layer.ffn
+    dim, hidden = ffn.w_gate.shape
+    ffn = eqx.tree_at(lambda m: (m.w_gate, m.w_up, m.w_down), ffn,
+                      (jnp.asarray(normal(16, (dim, hidden), dim**-0.5)), jnp.asarray(normal(17, (dim, hidden),
+                       dim**-0.5)), jnp.asarray(normal(18, (hidden, dim), hidden**-0.5))))
+    x = normal(19, (6, dim))
+    # three float32 matmuls over 64 and 128 terms with outputs of order 1
+    assert_close(ffn(jnp.asarray(x)), ref.swiglu(x, ffn.w_gate, ffn.w_up, ffn.w_down), atol=2e-6, rtol=2e-6)
+
+
+def test_queries_keys_rotate_by_position_times_block_size(layer):
+    """Scale l's queries/keys at position p are its position-0 ones rotated by RoPE at p·s_l (spacing s_l).
+
+    Stated relative to position 0 so that whatever the layer does to a token before its projection stays out
+    of the check; at scale 0 the position-0 query is also checked to be the plain projection x W_q.
+    """
+    attn = layer.attn
+    dim = attn.wv.shape[0]
+    attn = eqx.tree_at(lambda m: (m.wq, m.wk), attn, (jnp.asarray(normal(25, attn.wq.shape, dim**-0.5)),
+                                                         jnp.asarray(normal(26, attn.wk.shape, dim**-0.5))))
+    seq = 12
+    x = normal(20, (seq, dim))
+    positions = np.random.default_rng(21).integers(0, 200, seq)
+    q0 = np.asarray(attn.queries_keys(0, jnp.asarray(x), jnp.zeros((seq,), jnp.int32))[0])
+    # one float32 matmul over 64 terms, outputs of order 1
+    assert_close(q0, np.einsum("td,dhk->thk", x, ref.f64(attn.wq[0])), atol=2e-6)
+    for level, block_size in enumerate(attn.block_sizes):
+        zero = jnp.zeros((seq,), jnp.int32)
+        q0, k0 = map(np.asarray, attn.queries_keys(level, jnp.asarray(x), zero))
+        q, k = attn.queries_keys(level, jnp.asarray(x), jnp.asarray(positions, jnp.int32))
+        atol = (2 * EPS32 * positions.max() * block_size + 4 * EPS32) * max(np.abs(q0).max(), np.abs(k0).max())
+        assert_close(q, ref.rope(q0, positions, block_size, attn.rope_theta), atol=atol)
+        assert_close(k, ref.rope(k0, positions, block_size, attn.rope_theta), atol=atol)
+
+
+def randomised_mhc(hc, seed: int):
+    """The mHC connection with every coefficient parameter far from its init (α of order 1, random biases)."""
+    n = hc.b_pre.shape[0]
+    rng = np.random.default_rng(seed)
+    values = (1.0 + 0.3 * rng.standard_normal(hc.norm.weight.shape), rng.standard_normal(hc.phi.shape) /
+              np.sqrt(hc.phi.shape[0]), rng.uniform(0.5, 1.5, 3), rng.standard_normal(n), rng.standard_normal(n),
+              2.0 * rng.standard_normal((n, n)))
+    return eqx.tree_at(lambda m: (m.norm.weight, m.phi, m.alpha, m.b_pre, m.b_post, m.b_res), hc,
+                       tuple(jnp.asarray(v, jnp.float32) for v in values))
+
+
+def test_mhc_connection_matches_reference(layer):
+    hc = randomised_mhc(layer.attn_hc, seed=22)
+    assert hc.mode == "mhc"
+    n = hc.b_pre.shape[0]
+    dim = hc.norm.weight.shape[0] // n
+    x = normal(23, (7, n, dim))
+    w = normal(24, (dim, dim), dim**-0.5)
+    got, h_res = hc(jnp.asarray(x), lambda u: jnp.tanh(u @ jnp.asarray(w)))
+    coefficients = ref.mhc_coefficients(x, hc.norm.weight, hc.phi, hc.alpha, hc.b_pre, hc.b_post, hc.b_res,
+                                        eps=hc.norm.eps, sinkhorn_iters=hc.sinkhorn_iters)
+    want = ref.connection(x, coefficients, lambda u: np.tanh(u @ w.astype(np.float64)))
+    # H_res: float32 Φ projection (256 terms), then Sinkhorn as in test_sinkhorn_matches_reference
+    assert_close(h_res, coefficients[2], atol=2e-6)
+    # X: an n-term mix of order-1 streams plus H_post ⊗ y (y from a 64-term matmul), carrying the H_res error
+    assert_close(got, want, atol=1e-5)
