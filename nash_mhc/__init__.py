@@ -4,12 +4,17 @@ Manifold-constrained hyper-connections (n residual streams mixed by Sinkhorn dou
 and causal multiscale attention combined per position by Nash-equilibrium aggregation.
 """
 
-from nash_mhc import decoding, ops, training
-from nash_mhc.config import ModelConfig
-from nash_mhc.decoding import generate
-from nash_mhc.model import Block, LanguageModel, ModelOutput
-from nash_mhc.sharding import MeshError, make_mesh
-from nash_mhc.training import TrainConfig
+from nash_mhc.platforms import select_platform
+
+# Before anything can start a JAX backend: on a CPU host with libtpu installed, use the CPU quietly.
+select_platform()
+
+from nash_mhc import decoding, ops, training  # noqa: E402
+from nash_mhc.config import ModelConfig  # noqa: E402
+from nash_mhc.decoding import generate  # noqa: E402
+from nash_mhc.model import Block, LanguageModel, ModelOutput  # noqa: E402
+from nash_mhc.sharding import MeshError, make_mesh  # noqa: E402
+from nash_mhc.training import TrainConfig  # noqa: E402
 
 __version__ = "0.2.0"
 

@@ -12,14 +12,28 @@ Two ways a run ends up on the CPU by mistake, both reported here:
   runs on the CPU; :func:`fallback_warning` says so.
 - ``JAX_PLATFORMS`` is unset on a TPU VM or a GPU box, but the installed jaxlib has no plugin for it
   (``pip install jax`` instead of ``.[tpu]``/``.[cuda]``): the device files are there and JAX uses the CPU.
+
+What the machine has, and the platform nash_mhc picks when the user names none, is
+:mod:`nash_mhc.platforms` (imported first by ``nash_mhc`` itself); its helpers are re-exported here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
+
+from nash_mhc.platforms import (
+    default_platforms,
+    detect_accelerator,
+    libtpu_installed,
+    requested_platforms,
+    select_platform,
+    tpu_chips_on_pci,
+)
 
 ACCELERATORS = {"tpu": "tpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu"}
 INSTALL_HINT = {"tpu": "pip install -e \".[tpu]\" on the TPU VM; only one process may hold the TPU "
@@ -27,41 +41,54 @@ INSTALL_HINT = {"tpu": "pip install -e \".[tpu]\" on the TPU VM; only one proces
                 "gpu": "pip install -e \".[cuda]\" and check that `nvidia-smi` lists the GPUs"}
 
 
+__all__ = ["ACCELERATORS", "HardwareError", "captured_native_stderr", "default_platforms", "detect_accelerator",
+           "fallback_warning", "init_devices", "libtpu_installed", "main", "requested_platforms",
+           "select_platform", "summary_lines", "tpu_chips_on_pci"]
+
+
 class HardwareError(ValueError):
     """The platform a user asked for cannot be started (a one-line, user-facing message)."""
 
 
-def requested_platforms(env: Mapping[str, str] | None = None) -> list[str]:
-    """Platforms named by ``JAX_PLATFORMS`` (or ``jax.config.jax_platforms`` when ``env`` is None)."""
-    if env is None:
-        import jax
+@contextlib.contextmanager
+def captured_native_stderr() -> Iterator[list[bytes]]:
+    """Redirect file descriptor 2 (native libraries' stderr, e.g. libtpu's start-up errors) to a buffer.
 
-        value = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
-    else:
-        value = env.get("JAX_PLATFORMS", "")
-    return [p.strip().lower() for p in (value or "").split(",") if p.strip()]
-
-
-def detect_accelerator(env: Mapping[str, str] | None = None,
-                       exists: Callable[[str], bool] = os.path.exists) -> str | None:
-    """``"tpu"`` or ``"gpu"`` when this machine visibly has one (device files, TPU VM variables), else None."""
-    env = os.environ if env is None else env
-    if env.get("TPU_ACCELERATOR_TYPE") or env.get("TPU_WORKER_HOSTNAMES") or exists("/dev/accel0") \
-            or exists("/dev/vfio/0"):
-        return "tpu"
-    if exists("/dev/nvidia0") or exists("/proc/driver/nvidia/version"):
-        return "gpu"
-    return None
+    Yields a list that holds the captured bytes once the block has ended; nothing is written to stderr.
+    """
+    captured: list[bytes] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as buffer:
+        os.dup2(buffer.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            buffer.seek(0)
+            captured.append(buffer.read())
 
 
 def init_devices(env: Mapping[str, str] | None = None) -> list[Any]:
-    """``jax.devices()``, with a failure to start a requested platform turned into :class:`HardwareError`."""
+    """``jax.devices()``, with a failure to start a requested platform turned into :class:`HardwareError`.
+
+    When ``JAX_PLATFORMS`` asks for an accelerator, what its runtime prints while starting is held back: it
+    is shown when the accelerator started, and dropped when it did not (the one-line error, or the CPU
+    fallback warning of :func:`fallback_warning`, says what happened instead).
+    """
     import jax
 
+    requested = requested_platforms(env)
+    quiet = captured_native_stderr() if any(p in ACCELERATORS for p in requested) else contextlib.nullcontext()
     try:
-        return list(jax.devices())
+        with quiet as captured:
+            devices = list(jax.devices())
+        if captured and devices[0].platform != "cpu":
+            sys.stderr.write(captured[0].decode(errors="replace"))
+        return devices
     except Exception as error:  # noqa: BLE001 - JAX raises RuntimeError, AssertionError, ... here
-        requested = requested_platforms(env)
         if not requested:
             raise
         wanted = ",".join(requested)

@@ -1,0 +1,162 @@
+"""Compile-only fit check (nash_mhc.training.fit): topology names, the abstract train state, and the real TPU
+compiler on this CPU host (libtpu, no TPU) deciding whether the ``tiny`` step fits a v5e:2x2 slice.
+
+The two TPU compiles (one that fits, one that cannot) take one to two minutes each on a 2-core machine, so
+they are ``slow`` and shared per module; tests that need libtpu skip without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import pytest
+
+from nash_mhc import ModelConfig, TrainConfig, make_mesh
+from nash_mhc.training.fit import (
+    HBM_BYTES,
+    TopologyError,
+    abstract_batch,
+    abstract_train_state,
+    check_fit,
+    parse_out_of_memory,
+    per_device_bytes,
+    report_lines,
+    resolve_topology,
+    topology_devices,
+)
+from nash_mhc.training.state import init_train_state
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="needs libtpu (pip install -e '.[tpu]')")
+GIB = 2**30
+
+# Cloud TPU accelerator types and their chip grids, as Google's TPU documentation lists them (v4 and v5p
+# names count TensorCores, two per chip; v5e and v6e names count chips).
+CLOUD_SLICES = {
+    "v5litepod-1": "v5e:1x1", "v5litepod-4": "v5e:2x2", "v5litepod-8": "v5e:2x4", "v5litepod-16": "v5e:4x4",
+    "v5e-32": "v5e:4x8", "v5e-64": "v5e:8x8", "v5litepod-128": "v5e:8x16", "v5litepod-256": "v5e:16x16",
+    "v6e-1": "v6e:1x1", "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v6e-16": "v6e:4x4", "v6e-256": "v6e:16x16",
+    "v4-8": "v4:2x2x1", "v4-16": "v4:2x2x2", "v4-32": "v4:2x2x4", "v4-64": "v4:2x4x4", "v4-128": "v4:4x4x4",
+    "v4-256": "v4:4x4x8", "v4-512": "v4:4x8x8", "v4-1024": "v4:8x8x8", "v4-4096": "v4:8x16x16",
+    "v5p-8": "v5p:2x2x1", "v5p-16": "v5p:2x2x2", "v5p-32": "v5p:2x2x4", "v5p-128": "v5p:4x4x4",
+    "v5p-8192": "v5p:16x16x16",
+}
+
+
+# ------------------------------------------------------------------------------------------ topology names
+def test_cloud_names_resolve_to_their_chip_grids():
+    for cloud, topology in CLOUD_SLICES.items():
+        resolved = resolve_topology(cloud)
+        assert resolved.topology == topology, cloud
+        assert resolve_topology(topology) == resolved  # the topology name itself resolves the same way
+    assert resolve_topology(" V5LitePod-8 ").topology == "v5e:2x4"
+    assert resolve_topology("v5e-8").chips_per_host == (2, 4, 1)  # one host of 8 chips
+    assert resolve_topology("v5e-16").chips_per_host == (2, 2, 1)  # hosts of 4 chips
+    assert resolve_topology("v4-32").chips == 16
+
+
+@pytest.mark.parametrize("name", ["v7x-8", "v5e-6", "v4-12", "v5e:2x2x1", "v4:2x2", "v5e:3x3", "v6e", "tpu"])
+def test_unknown_topology_is_a_one_line_error_listing_the_valid_names(name):
+    with pytest.raises(TopologyError) as info:
+        resolve_topology(name)
+    message = str(info.value)
+    assert isinstance(info.value, ValueError) and "\n" not in message
+    assert message.startswith(f"unknown TPU topology {name!r}")
+    for valid in ("v5litepod/v5e-{1,4,8,", "v6e-{1,4,8,", "v4-{8,16,32,", "v5p-{8,16,", "v5e:2x2", "v4:2x2x2"):
+        assert valid in message
+
+
+@needs_libtpu
+def test_cloud_name_and_topology_name_give_the_same_devices():
+    for cloud, topology, count, kind in (("v5litepod-8", "v5e:2x4", 8, "TPU v5 lite"),
+                                         ("v6e-8", "v6e:2x4", 8, "TPU v6 lite"),
+                                         ("v4-32", "v4:2x2x4", 16, "TPU v4"),  # megacore: one device per chip
+                                         ("v5p-8", "v5p:2x2x1", 4, "TPU v5")):
+        by_cloud, by_topology = topology_devices(cloud), topology_devices(topology)
+        assert len(by_cloud) == len(by_topology) == count, cloud
+        assert {d.device_kind for d in by_cloud} == {d.device_kind for d in by_topology} == {kind}
+        assert kind in HBM_BYTES
+
+
+def test_out_of_memory_messages_are_parsed():
+    temps = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+             "(17.99G) exceeds available HBM (15.75G).\nmore detail")
+    line, required, available = parse_out_of_memory(temps)
+    assert line.startswith("RESOURCE_EXHAUSTED: Ran out of memory on HBM") and "\n" not in line
+    assert (required, available) == (int(17.99 * GIB), int(15.75 * GIB))
+    used = parse_out_of_memory("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.50G of 15.48G hbm.")
+    assert used[1:] == (int(20.5 * GIB), int(15.48 * GIB))
+    assert parse_out_of_memory("INVALID_ARGUMENT: something else") is None
+
+
+# ------------------------------------------------------------------------------------------ abstract state
+@pytest.mark.slow  # the real born-sharded initialisation compiles for 8 devices (15-90 s here)
+def test_abstract_state_and_batch_match_what_training_allocates():
+    """Leaf for leaf, the abstract TrainState has the shape, dtype and sharding of the born-sharded one."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices")
+    config = ModelConfig.preset("tiny", d_model=64, num_heads=8, ffn_hidden=256)
+    train_config = TrainConfig(batch_size=8)
+    mesh = make_mesh(2, 4, 1)
+    abstract = abstract_train_state(config, train_config, mesh)
+    real = init_train_state(config, train_config, mesh, key=jax.random.key(0))
+    abstract_paths, abstract_leaves = zip(*jax.tree_util.tree_flatten_with_path(abstract)[0], strict=True)
+    real_paths, real_leaves = zip(*jax.tree_util.tree_flatten_with_path(real)[0], strict=True)
+    assert abstract_paths == real_paths  # (the static optimizer is a fresh closure per call, so not the treedef)
+    for fake, array in zip(abstract_leaves, real_leaves, strict=True):
+        assert isinstance(fake, jax.ShapeDtypeStruct)
+        assert (fake.shape, fake.dtype) == (array.shape, array.dtype)
+        assert fake.sharding.is_equivalent_to(array.sharding, array.ndim)
+    # Per-device bytes: what device 0 really holds.
+    held = sum(shard.data.nbytes for leaf in real_leaves for shard in leaf.addressable_shards
+               if shard.device == jax.devices()[0])
+    assert per_device_bytes(abstract) == held
+    batch = abstract_batch(8, config.seq_len, mesh)
+    assert batch.tokens.shape == (8, config.seq_len + 1) and batch.loss_mask is None
+    assert batch.tokens.sharding.shard_shape(batch.tokens.shape) == (1, config.seq_len + 1)
+
+
+# ---------------------------------------------------------------------------------------- TPU compiles
+TINY = ModelConfig.preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def fits():
+    return check_fit(TINY, TrainConfig(batch_size=8, remat="full"), topology="v5e:2x2", data=1, fsdp=4)
+
+
+@pytest.fixture(scope="module")
+def too_big():
+    # 65,536 sequences of 64 tokens per chip: about 120 GiB of temporaries on a 16 GiB chip.
+    return check_fit(TINY, TrainConfig(batch_size=4 * 65536, remat="full"), topology="v5e-4", data=1, fsdp=4)
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_tiny_compiles_for_v5e_2x2_and_fits(fits):
+    assert fits.fits is True and fits.compiler_error is None
+    assert fits.device_kind == "TPU v5 lite" and fits.num_devices == 4 and fits.mesh_shape == (1, 4, 1)
+    assert (fits.hbm_bytes, fits.hbm_source) == (16 * GIB, "table")
+    # The compiler's arguments hold at least the parameters + optimizer state we expect per chip.
+    assert fits.argument_bytes >= fits.state_bytes > 0
+    assert fits.total_bytes == fits.argument_bytes + fits.temp_bytes + fits.output_bytes + fits.code_bytes
+    assert fits.headroom_bytes == fits.hbm_bytes - fits.total_bytes > 0
+    assert fits.flops > 0 and fits.bytes_accessed > 0 and fits.compile_seconds > 0
+    lines = report_lines(fits)
+    assert lines[0] == "compile-only: train step for v5e:2x2: 4 x TPU v5 lite, mesh data=1 fsdp=4 tp=1"
+    assert lines[-1] == "result: fits"
+    assert any(line.startswith("total ") and "of 16.00 GiB (table), headroom" in line for line in lines)
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_impossible_batch_is_a_does_not_fit_report(too_big):
+    assert too_big.fits is False
+    assert too_big.target == "v5e-4 = v5e:2x2"
+    assert "Ran out of memory" in too_big.compiler_error
+    assert too_big.temp_bytes > too_big.available_bytes > 15 * GIB  # the compiler's own figures
+    assert too_big.argument_bytes is None and too_big.total_bytes is None
+    lines = report_lines(too_big)
+    assert lines[-1] == "result: DOES NOT FIT"
+    assert any("the compiler ran out of memory: temporaries need" in line for line in lines)
