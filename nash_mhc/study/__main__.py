@@ -17,11 +17,11 @@ from nash_mhc.study.runner import StudyError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m nash_mhc.study", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m nash_mhc.study", description=__doc__.splitlines()[0].split(": ", 1)[-1])
     commands = p.add_subparsers(dest="study", required=True, parser_class=OneLineParser)
     for name, module in (("ablation", ablation), ("stability", stability)):
-        sub = commands.add_parser(name, help=module.__doc__.splitlines()[0].split(": ", 1)[-1],
-                                  description=module.__doc__.splitlines()[0],
+        summary = module.__doc__.splitlines()[0].split(": ", 1)[-1]
+        sub = commands.add_parser(name, help=summary, description=summary,
                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(sub)
         sub.set_defaults(run=module.main)

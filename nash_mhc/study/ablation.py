@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps per run (the same tokens for all)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--learning-rate", type=float, default=1e-3, help="peak learning rate of every run")
-    p.add_argument("--warmup-steps", type=int, help="warmup steps (default: the training program's)")
+    p.add_argument("--warmup-steps", type=int, help="warmup steps (None: the training program's default)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds (initialisation and data order)")
     p.add_argument("--residual", nargs="+", choices=RESIDUALS, default=list(RESIDUALS), help="residual modes")
     p.add_argument("--attention", nargs="+", choices=tuple(ATTENTIONS), default=list(ATTENTIONS),
