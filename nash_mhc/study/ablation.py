@@ -317,7 +317,8 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         check_settings(out, dataclasses.asdict(settings))
-        runs = [Run(r, a, s) for r in args.residual for a in args.attention for s in args.seeds]
+        # seed by seed: a study cut short still has every cell of its first seeds (paired comparisons)
+        runs = [Run(r, a, s) for s in args.seeds for r in args.residual for a in args.attention]
         runner = ChildRunner()
         results: dict[Run, dict[str, Any]] = {}
         failures: list[str] = []
@@ -334,6 +335,7 @@ def main(args: argparse.Namespace) -> int:
                     elif outcome == "failed":
                         failures.append(value)
                         tqdm.write(f"failed: {value}")
+                        bar.update(1)
         finally:
             runner.close()
         rows = cell_rows(runs, results)

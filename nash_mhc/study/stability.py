@@ -93,8 +93,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_settings(out, dataclasses.asdict(settings))
         use_compile_cache(args.compile_cache_dir)
-        runs = [Run(r, d, lr, s) for d in args.depths for lr in args.learning_rates for r in args.residual
-                for s in args.seeds]
+        # seed by seed: a study cut short still has every setting of its first seeds
+        runs = [Run(r, d, lr, s) for s in args.seeds for d in args.depths for lr in args.learning_rates
+                for r in args.residual]
         runner = ChildRunner()  # no children here: it turns SIGTERM/SIGINT into a flag checked every step
         results: dict[Run, dict[str, Any]] = {}
         try:
