@@ -35,7 +35,7 @@ def seed_band(curves: list[list[list[float]]]) -> tuple[np.ndarray, np.ndarray, 
 
 def ablation_figure(rows: list[dict[str, Any]], results: list[dict[str, Any]], path: Path) -> None:
     """Training loss over steps per cell (mean over seeds, min-max band), the same zoomed into the second half
-    of training, and held-out bits per byte per cell (mean ± std over seeds)."""
+    of training, and each cell's held-out bits per byte minus the first cell's, paired by seed (mean ± std)."""
     plt = pyplot()
     fig, (whole, zoom, bars) = plt.subplots(1, 3, figsize=(17, 4.8), width_ratios=(1, 1, 0.8))
     for row in rows:
@@ -55,16 +55,16 @@ def ablation_figure(rows: list[dict[str, Any]], results: list[dict[str, Any]], p
     zoom.set(xlabel="step", ylabel="training loss (nats/token)", title="second half of training")
     zoom.legend(fontsize=7)
     names = [f"{r['residual']}\n{r['attention_label']}" for r in rows]
-    means = [r["bits_per_byte"][0] for r in rows]
-    stds = [0.0 if np.isnan(r["bits_per_byte"][1]) else r["bits_per_byte"][1] for r in rows]
-    colors = [RESIDUAL_COLORS[r["residual"]] for r in rows]
-    bars.bar(range(len(rows)), means, yerr=stds, color=colors, alpha=0.8, capsize=3)
-    finite = [m for m in means if np.isfinite(m)]
-    if finite:
-        spread = max(finite) - min(finite)
-        bars.set_ylim(min(finite) - max(spread, 0.01) * 1.5, max(finite) + max(spread, 0.01) * 1.5)
+    means = [r["delta_bits_per_byte"][0] for r in rows]
+    stds = [0.0 if np.isnan(r["delta_bits_per_byte"][1]) else r["delta_bits_per_byte"][1] for r in rows]
+    for x, (row, mean, std) in enumerate(zip(rows, means, stds, strict=True)):
+        bars.errorbar([x], [mean], yerr=[std], color=RESIDUAL_COLORS[row["residual"]], marker="o", capsize=4,
+                      linestyle="none")
+    bars.axhline(0.0, color="grey", linewidth=0.8)
     bars.set_xticks(range(len(rows)), names, fontsize=7, rotation=90)
-    bars.set(ylabel="held-out bits per byte", title="held-out bits/byte (mean ± std)")
+    baseline = rows[0]["baseline"] if rows else "the first cell"
+    bars.set(ylabel=f"held-out bits/byte minus {baseline}'s", title="held-out bits/byte vs the first cell\n"
+             "(paired by seed: mean ± std of the differences)")
     for ax in (whole, zoom, bars):
         ax.grid(alpha=0.3)
     fig.tight_layout()
