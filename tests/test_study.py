@@ -101,8 +101,8 @@ def logged_steps(run_dir: Path) -> list[int]:
 @pytest.mark.slow
 def test_ablation_resumes_after_sigterm_finishes_the_grid_and_skips_finished_runs(tmp_path, cache_dir, one_device,
                                                                                   capsys):
-    out = tmp_path / "study"
-    argv = ablation_argv(out, cache_dir)
+    out, published = tmp_path / "study", tmp_path / "published"
+    argv = ablation_argv(out, cache_dir, "--report-dir", str(published))
     first, second = out / "runs" / "plain-full" / "seed0", out / "runs" / "mhc-full" / "seed0"
     proc = subprocess.Popen([sys.executable, "-m", "nash_mhc.study", *argv], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -116,13 +116,13 @@ def test_ablation_resumes_after_sigterm_finishes_the_grid_and_skips_finished_run
     assert 1 <= stopped_at < 60 and logged_steps(first) == list(range(1, stopped_at + 1))
     assert f"stopping at step {stopped_at} after a signal" in (first / "train.log").read_text()
     assert not (first / "result.json").exists() and not second.exists()  # no further run was started
-    assert not json.loads((out / "results.json").read_text())["complete"]
+    assert not json.loads((published / "results.json").read_text())["complete"]
 
     assert main(argv) == 0
     assert "2 of 2 runs finished" in capsys.readouterr().out
     assert logged_steps(first) == list(range(1, 61)), "the interrupted run restarted instead of resuming"
     assert f"resuming from step {stopped_at}" in (first / "train.log").read_text()
-    results = json.loads((out / "results.json").read_text())
+    results = json.loads((published / "results.json").read_text())
     assert results["complete"] and results["runs_finished"] == 2
     for run in results["runs"]:
         config = ModelConfig.preset("tiny", residual=run["residual"], attention="full")
@@ -136,15 +136,15 @@ def test_ablation_resumes_after_sigterm_finishes_the_grid_and_skips_finished_run
     cells = {(c["residual"], c["attention"]): c for c in results["cells"]}
     assert cells[("mhc", "full")]["delta_bits_per_byte"][0] == pytest.approx(
         mhc["bits_per_byte"] - plain["bits_per_byte"])
-    table = (out / "results.md").read_text()
+    table = (published / "results.md").read_text()
     assert "python -m nash_mhc.study ablation" in table and "| mhc | full | 1 |" in table
-    assert (out / "loss_curves.png").read_bytes()[:4] == PNG and (out / "loss_curves.png").stat().st_size > 20_000
+    figure = published / "loss_curves.png"
+    assert figure.read_bytes()[:4] == PNG and figure.stat().st_size > 20_000
+    assert not (out / "results.md").exists()  # the runs stay apart from the published report
 
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.name in ("result.json", "sessions.jsonl")}
     assert len(stamps) == 4
-    start = time.perf_counter()
     assert main(argv) == 0  # both runs finished: nothing is trained or evaluated
-    assert time.perf_counter() - start < 20
     assert stamps == {p: p.stat().st_mtime_ns for p in stamps}
 
     assert main([*argv, "--learning-rate", "1e-3"]) == 2
@@ -173,8 +173,8 @@ def test_stability_runs_end_to_end_and_skips_finished_runs(tmp_path, cache_dir, 
             "--compile-cache-dir", str(cache_dir), "--no-progress"]
     assert main(argv) == 0
     assert "2 of 2 runs finished" in capsys.readouterr().out
-    results = json.loads((out / "results.json").read_text())
-    runs = {r["residual"]: r for r in results["runs"]}
+    setting = out / "runs" / "L3-lr0.01"
+    runs = {mode: json.loads((setting / f"{mode}-seed0.json").read_text()) for mode in ("plain", "hc")}
     for run in runs.values():
         assert run["status"] == "finished" and len(run["loss"]) == len(run["grad_norm"]) == 6
         assert sorted(map(int, run["probes"])) == [0, 3, 6]
@@ -184,6 +184,9 @@ def test_stability_runs_end_to_end_and_skips_finished_runs(tmp_path, cache_dir, 
     hc_final = runs["hc"]["probes"]["6"]
     assert max(hc_final["forward_max"]) > 1.01  # unconstrained H_res has moved away from the identity
     assert all(m >= a for m, a in zip(hc_final["forward_max"], hc_final["forward_mean"], strict=True))
+    summary = {r["residual"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert summary["hc"]["forward_final"] == hc_final["forward_max"][-1]
+    assert summary["hc"]["final_loss"] == np.mean(runs["hc"]["loss"][-1:])  # the last 10 % of 6 steps: 1 step
     report_md = (out / "report.md").read_text()
     assert "python -m nash_mhc.study stability" in report_md and "- **hc**: 0 of 1 runs diverged" in report_md
     for figure in ("gains_depth.png", "curves.png", "sweep.png"):

@@ -264,10 +264,12 @@ def cell_rows(runs: list[Run], results: dict[Run, dict[str, Any]]) -> list[dict[
 
 def write_outputs(out: Path, args: argparse.Namespace, settings: Settings, runs: list[Run],
                   results: dict[Run, dict[str, Any]], rows: list[dict[str, Any]], invocation_s: float) -> None:
-    """``results.json``, ``results.md`` and ``loss_curves.png`` of the ablation (whatever has finished)."""
+    """``results.json``, ``results.md`` and ``loss_curves.png`` of the ablation (whatever has finished) in
+    ``--report-dir``; ``out`` holds the runs."""
     from nash_mhc.study import plots
 
     info = report.machine(report.device_line([r.directory(out) / "train.log" for r in runs]))
+    out = report.report_dir(args)
     total_s = sum(res["wall_s"] for res in results.values())
     complete = len(results) == len(runs)
     write_json(out / "results.json", {
@@ -347,5 +349,5 @@ def main(args: argparse.Namespace) -> int:
         return 0
     for message in failures:
         print(f"failed: {message}")
-    print(f"{len(results)} of {len(runs)} runs finished; wrote {out / 'results.md'}")
+    print(f"{len(results)} of {len(runs)} runs finished; wrote {report.report_dir(args) / 'results.md'}")
     return 1 if failures else 0

@@ -89,7 +89,7 @@ def _by_residual(records: list[dict[str, Any]], residuals: list[str]) -> dict[st
 
 def stability_gains_figure(records: list[dict[str, Any]], residuals: list[str], path: Path, title: str) -> None:
     """Forward (top) and backward (bottom) gain of P_l against depth l, one column per residual mode, one line
-    per probed step: max over tokens solid, mean over tokens dashed, each the mean over seeds."""
+    per probed step: max over tokens solid, mean over tokens dashed, each the median over seeds."""
     plt = pyplot()
     groups = _by_residual(records, residuals)
     fig, axes = plt.subplots(2, len(residuals), figsize=(4.6 * len(residuals), 7), squeeze=False, sharex=True)
@@ -104,8 +104,8 @@ def stability_gains_figure(records: list[dict[str, Any]], residuals: list[str], 
                 probed = [rec["probes"][str(step)] for rec in runs if str(step) in rec["probes"]]
                 if not probed:
                     continue
-                top = np.mean([p[f"{direction}_max"] for p in probed], axis=0)
-                mean = np.mean([p[f"{direction}_mean"] for p in probed], axis=0)
+                top = np.median([p[f"{direction}_max"] for p in probed], axis=0)
+                mean = np.median([p[f"{direction}_mean"] for p in probed], axis=0)
                 depth = np.arange(1, len(top) + 1)
                 ax.plot(depth, top, color=color, label=f"step {step}")
                 ax.plot(depth, mean, color=color, linestyle="--", linewidth=0.9)
@@ -116,7 +116,7 @@ def stability_gains_figure(records: list[dict[str, Any]], residuals: list[str], 
                    ylabel=f"{direction} gain of H_l ... H_1" if col == 0 else None)
             ax.grid(alpha=0.3)
         axes[0, col].legend(fontsize=7, title="solid: max, dashed: mean over tokens", title_fontsize=7)
-    fig.suptitle(f"composite residual mapping over depth ({title}; mean over seeds)")
+    fig.suptitle(f"composite residual mapping over depth ({title}; median over seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -152,8 +152,8 @@ def stability_curves_figure(records: list[dict[str, Any]], residuals: list[str],
 
 
 def stability_sweep_figure(rows: list[dict[str, Any]], path: Path) -> None:
-    """Final full-depth forward and backward gains and final loss against depth: one line per (residual,
-    learning rate), mean ± std over seeds."""
+    """Final full-depth forward and backward gains (median, [min, max] over seeds) and final loss (mean ± std)
+    against depth: one line per (residual, learning rate)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     lrs = sorted({r["learning_rate"] for r in rows})
@@ -167,9 +167,13 @@ def stability_sweep_figure(rows: list[dict[str, Any]], path: Path) -> None:
         depth = [r["depth"] for r in mine]
         color = plt.get_cmap({"plain": "Greys", "hc": "Reds", "mhc": "Blues"}.get(residual, "Greens"))(shades[lr])
         for ax, key in zip(axes, ("forward_final", "backward_final", "final_loss"), strict=True):
-            mean = [r[key][0] for r in mine]
-            std = [0.0 if np.isnan(r[key][1]) else r[key][1] for r in mine]
-            ax.errorbar(depth, mean, yerr=std, color=color, linestyle=styles.get(residual, "-"), marker="o",
+            center = np.array([r[key][0] for r in mine])
+            if key == "final_loss":  # mean ± std
+                errors = np.array([0.0 if np.isnan(r[key][1]) else r[key][1] for r in mine])
+            else:  # median and [min, max]
+                errors = np.array([[c - r[key][1] for c, r in zip(center, mine, strict=True)],
+                                   [r[key][2] - c for c, r in zip(center, mine, strict=True)]])
+            ax.errorbar(depth, center, yerr=errors, color=color, linestyle=styles.get(residual, "-"), marker="o",
                         markersize=3, capsize=2, label=f"{residual} lr {lr:g}")
     axes[0].set(ylabel="forward gain at full depth (max over tokens)")
     axes[1].set(ylabel="backward gain at full depth (max over tokens)")
@@ -184,7 +188,7 @@ def stability_sweep_figure(rows: list[dict[str, Any]], path: Path) -> None:
         ax.xaxis.set_minor_locator(plt.NullLocator())
         ax.grid(alpha=0.3)
     axes[2].legend(fontsize=7, ncol=2)
-    fig.suptitle("end of training, mean ± std over seeds")
+    fig.suptitle("end of training: gains as median [min, max], loss as mean ± std over seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -10,8 +10,17 @@ from typing import Any
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--report-dir", help="where results.json, the markdown report and the figures go (default: "
+                   "--out-dir; e.g. docs/results/<study> to publish them without the runs)")
     p.add_argument("--note", default="", help="a line under the report's title (e.g. 'shared 2-core VM')")
     p.add_argument("--no-progress", action="store_true", help="no progress bar over the runs")
+
+
+def report_dir(args: argparse.Namespace) -> Path:
+    """The directory the report files go to (created)."""
+    directory = Path(args.report_dir or args.out_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
 
 
 def machine(devices: str | None = None) -> dict[str, Any]:

@@ -113,11 +113,11 @@ def main(args: argparse.Namespace) -> int:
                     bar.update(1)
         finally:
             runner.close()
-        stability_report.write_outputs(out, args, settings, runs, results, time.perf_counter() - started)
+        stability_report.write_outputs(args, settings, runs, results, time.perf_counter() - started)
     finally:
         lock.release()
     if runner.stopped:
         print(f"stopped by a signal after {len(results)} of {len(runs)} runs; rerun the same command to continue")
     else:
-        print(f"{len(results)} of {len(runs)} runs finished; wrote {out / 'report.md'}")
+        print(f"{len(results)} of {len(runs)} runs finished; wrote {report.report_dir(args) / 'report.md'}")
     return 0
