@@ -38,12 +38,3 @@ def test_sharded_training_prints_the_memory_table():
     assert len(rows) == 8 and all(row[-1] == "25.8%" for row in rows)
     assert "step 2: loss" in out
 
-
-def test_stability_study_writes_its_figure(tmp_path):
-    figure = tmp_path / "stability.png"
-    out = run_example("stability_study.py", "--steps", "6", "--layers", "3", "--out", str(figure))
-    assert figure.stat().st_size > 10_000 and figure.read_bytes()[:4] == b"\x89PNG"
-    gains = {line.split(":")[0].strip(): float(line.split("max over depth")[1]) for line in out.splitlines()
-             if "max over depth" in line}
-    assert set(gains) == {"plain", "hc", "mhc"}
-    assert gains["plain"] == 1.0 and abs(gains["mhc"] - 1.0) < 0.1

@@ -1,0 +1,42 @@
+"""``python -m nash_mhc.study {ablation,stability} [flags]``: run a study into an output directory.
+
+Exit codes: 0 every run finished (or the study stopped cleanly on SIGTERM/SIGINT: rerun the same command
+to continue), 1 some runs failed (their logs are named), 2 bad arguments or an output directory holding
+another study's settings (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from nash_mhc.cli import OneLineParser, fail
+from nash_mhc.study import ablation, stability
+from nash_mhc.study.runner import StudyError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m nash_mhc.study", description=__doc__.splitlines()[0].split(": ", 1)[-1])
+    commands = p.add_subparsers(dest="study", required=True, parser_class=OneLineParser)
+    for name, module in (("ablation", ablation), ("stability", stability)):
+        summary = module.__doc__.splitlines()[0].split(": ", 1)[-1]
+        sub = commands.add_parser(name, help=summary, description=summary,
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.main)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["python", "-m", "nash_mhc.study", *argv])
+    try:
+        return args.run(args)
+    except StudyError as error:
+        return fail(error)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""What a study writes: results.json, a markdown report headed by the command, machine and wall time."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--report-dir", help="where results.json, the markdown report and the figures go (default: "
+                   "--out-dir; e.g. docs/results/<study> to publish them without the runs)")
+    p.add_argument("--note", default="", help="a line under the report's title (e.g. 'shared 2-core VM')")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar over the runs")
+
+
+def report_dir(args: argparse.Namespace) -> Path:
+    """The directory the report files go to (created)."""
+    directory = Path(args.report_dir or args.out_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def machine(devices: str | None = None) -> dict[str, Any]:
+    """Where the study ran: OS, Python, CPU cores and (when known) the training program's device line."""
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "devices": devices}
+
+
+def device_line(logs: list[Path]) -> str | None:
+    """The ``devices: ...`` start-up line of the first training log that has one."""
+    for log in logs:
+        if log.exists():
+            for line in log.read_text().splitlines():
+                if line.startswith("devices: "):
+                    return line.removeprefix("devices: ")
+    return None
+
+
+def header(title: str, args: argparse.Namespace, info: dict[str, Any], wall_line: str) -> list[str]:
+    lines = [f"# {title}", "", "Produced by:", "", "```bash", args.command_line, "```", ""]
+    if args.note:
+        lines += [args.note, ""]
+    devices = f", devices: {info['devices']}" if info.get("devices") else ""
+    lines += [f"Machine: {info['platform']}, Python {info['python']}, {info['cpu_count']} CPU cores{devices}.",
+              wall_line, ""]
+    return lines
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def millions(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 1e6:.2f}M"
+
+
+def duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"

@@ -1,0 +1,123 @@
+"""``python -m nash_mhc.study stability``: deep narrow models at high learning rates, plain vs hc vs mhc.
+
+Hyper-Connections' residual mixing matrices are unconstrained, so their product over depth can grow (or
+shrink) without bound; mHC's are doubly stochastic, so every product has gain 1. This study trains the
+residual modes in the setting where that difference can show at small scale (many layers, small width, a
+high learning rate, no gradient clipping or weight decay unless asked for) and records per run:
+
+- the training loss and gradient norm (before clipping) of every step, and every non-finite step;
+- at ``--probes`` evenly spaced steps (0 and the last included), the forward and backward gains
+  (:mod:`nash_mhc.study.gains`) of the composite residual mapping at every depth, max and mean over the
+  tokens of one fixed held-out batch (the same for every run).
+
+Runs train in this process on the library API (``init_train_state`` / ``train_step``): the training program
+has no flag for the depth. A run is saved to ``<out>/runs/L<depth>-lr<lr>/<residual>-seed<k>.json`` when it
+ends and is never re-run; a run cut short by a signal is started again from its beginning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from nash_mhc.cli import add_compile_cache_argument, use_compile_cache
+from nash_mhc.config import ModelConfig
+from nash_mhc.study import report, stability_report
+from nash_mhc.study.runner import ChildRunner, DirectoryLock, StudyError, check_settings, read_json, write_json
+from nash_mhc.study.stability_runs import Run, Settings, train_run
+from nash_mhc.study.variants import ATTENTIONS, RESIDUALS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out-dir", default="runs/study/stability", help="where runs, results.json, report.md and "
+                   "the figures go; rerunning with the same directory skips finished runs")
+    p.add_argument("--model", default="tiny", help="preset the runs start from (width, heads, context)")
+    p.add_argument("--d-model", type=int, help="model width (default: the preset's)")
+    p.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32], help="numbers of layers to sweep")
+    p.add_argument("--learning-rates", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2],
+                   help="peak learning rates to sweep")
+    p.add_argument("--residual", nargs="+", choices=RESIDUALS, default=list(RESIDUALS), help="residual modes")
+    p.add_argument("--attention", choices=tuple(ATTENTIONS), default="full", help="attention of every run: full, "
+                   "nash (multiscale+nash) or convex (multiscale+convex); the study is about the residual stream")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (initialisation, data order)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--warmup-steps", type=int, default=10, help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (0: nothing pulls the "
+                   "residual matrices back)")
+    p.add_argument("--grad-clip", type=float, default=0.0, help="global gradient-norm clip (0: none, so that "
+                   "gradient blow-ups are not hidden)")
+    p.add_argument("--dataset", default="stdlib", help="'stdlib', 'synthetic' or a local text corpus")
+    p.add_argument("--probes", type=int, default=5, help="evenly spaced steps (first and last included) at which "
+                   "the gains over depth are measured")
+    p.add_argument("--probe-batch", type=int, default=4, help="held-out sequences the gains are measured on")
+    p.add_argument("--max-nonfinite-steps", type=int, default=10,
+                   help="a run stops as diverged after this many non-finite steps in a row")
+    add_compile_cache_argument(p)
+    report.add_common_arguments(p)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    for name in ("steps", "batch_size", "probe_batch", "max_nonfinite_steps"):
+        if getattr(args, name) < 1:
+            raise StudyError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.probes < 2:
+        raise StudyError(f"--probes must be >= 2 (the first and the last step), got {args.probes}")
+    if not 0 <= args.warmup_steps <= args.steps:
+        raise StudyError(f"--warmup-steps must be in [0, --steps], got {args.warmup_steps}")
+    if min(args.depths) < 1 or min(args.learning_rates) <= 0:
+        raise StudyError("--depths must be >= 1 and --learning-rates > 0")
+    for name in ("depths", "learning_rates", "seeds"):
+        if len(set(getattr(args, name))) != len(getattr(args, name)):
+            raise StudyError(f"--{name.replace('_', '-')} has a repeated value: {getattr(args, name)}")
+    try:  # the preset, width and heads must make a valid model
+        ModelConfig.preset(args.model, **({"d_model": args.d_model} if args.d_model else {}))
+    except ValueError as error:
+        raise StudyError(str(error)) from None
+    return Settings(model=args.model, d_model=args.d_model, attention=args.attention, steps=args.steps,
+                    batch_size=args.batch_size, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+                    grad_clip=args.grad_clip, dataset=args.dataset, probes=args.probes, probe_batch=args.probe_batch,
+                    max_nonfinite_steps=args.max_nonfinite_steps)
+
+
+def main(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    out = Path(args.out_dir)
+    lock = DirectoryLock(out)
+    started = time.perf_counter()
+    try:
+        check_settings(out, dataclasses.asdict(settings))
+        use_compile_cache(args.compile_cache_dir)
+        # seed by seed: a study cut short still has every setting of its first seeds
+        runs = [Run(r, d, lr, s) for s in args.seeds for d in args.depths for lr in args.learning_rates
+                for r in args.residual]
+        runner = ChildRunner()  # no children here: it turns SIGTERM/SIGINT into a flag checked every step
+        results: dict[Run, dict[str, Any]] = {}
+        try:
+            with tqdm(total=len(runs), unit="run", disable=args.no_progress, dynamic_ncols=True) as bar:
+                for run in runs:
+                    path = run.path(out)
+                    if not path.exists():
+                        bar.set_postfix_str(f"{run.setting} {run.residual} seed {run.seed}")
+                        record = train_run(settings, run, runner)
+                        if record is None:
+                            break
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        write_json(path, record)
+                    results[run] = read_json(path)
+                    bar.update(1)
+        finally:
+            runner.close()
+        stability_report.write_outputs(args, settings, runs, results, time.perf_counter() - started)
+    finally:
+        lock.release()
+    if runner.stopped:
+        print(f"stopped by a signal after {len(results)} of {len(runs)} runs; rerun the same command to continue")
+    else:
+        print(f"{len(results)} of {len(runs)} runs finished; wrote {report.report_dir(args) / 'report.md'}")
+    return 0

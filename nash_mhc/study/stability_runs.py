@@ -1,0 +1,116 @@
+"""One run of the stability study: its settings, and its training in this process with gain probes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nash_mhc.config import ModelConfig
+from nash_mhc.study.gains import composite_gains
+from nash_mhc.study.runner import ChildRunner
+from nash_mhc.study.variants import ATTENTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every run of one stability study shares (kept in ``<out>/study.json``)."""
+
+    model: str
+    d_model: int | None
+    attention: str
+    steps: int
+    batch_size: int
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    dataset: str
+    probes: int
+    probe_batch: int
+    max_nonfinite_steps: int
+
+    def probe_steps(self) -> list[int]:
+        return sorted({round(i * self.steps / (self.probes - 1)) for i in range(self.probes)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    residual: str
+    depth: int
+    learning_rate: float
+    seed: int
+
+    @property
+    def setting(self) -> str:
+        return f"L{self.depth}-lr{self.learning_rate:g}"
+
+    def path(self, out: Path) -> Path:
+        return out / "runs" / self.setting / f"{self.residual}-seed{self.seed}.json"
+
+
+def model_config(settings: Settings, run: Run, vocab_size: int) -> ModelConfig:
+    width = {"d_model": settings.d_model} if settings.d_model else {}
+    return ModelConfig.preset(settings.model, residual=run.residual, num_layers=run.depth, vocab_size=vocab_size,
+                              **ATTENTIONS[settings.attention], **width)
+
+
+def train_run(settings: Settings, run: Run, runner: ChildRunner) -> dict[str, Any] | None:
+    """Train one run, probing the gains; its record, or None when a signal cut it short."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from nash_mhc import TrainConfig, make_mesh
+    from nash_mhc.data import make_datasets
+    from nash_mhc.training import Batch, init_train_state, train_step
+
+    config = ModelConfig.preset(settings.model)
+    train_data, _, tokenizer = make_datasets(settings.dataset, "bytes", config.seq_len, seed=run.seed)
+    _, probe_data, _ = make_datasets(settings.dataset, "bytes", config.seq_len, seed=0)  # one batch for all runs
+    probe_tokens = jnp.asarray(probe_data.batch_at(0, global_batch=settings.probe_batch)[:, :-1])
+    config = model_config(settings, run, tokenizer.vocab_size)
+    train_config = TrainConfig(batch_size=settings.batch_size, learning_rate=run.learning_rate,
+                               warmup_steps=settings.warmup_steps, total_steps=settings.steps,
+                               weight_decay=settings.weight_decay, grad_clip=settings.grad_clip, seed=run.seed)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    state = init_train_state(config, train_config, mesh, key=jax.random.key(run.seed))
+    residual_maps = eqx.filter_jit(lambda model, tokens: model(tokens, return_residual_maps=True).residual_maps)
+
+    probes: dict[int, dict[str, list[float]]] = {}
+    losses: list[float] = []
+    grad_norms: list[float] = []
+    step_times: list[float] = []
+    nonfinite: list[int] = []
+    in_a_row = 0
+    start = time.perf_counter()
+    probe_at = settings.probe_steps()
+    for step in range(settings.steps + 1):
+        if runner.stopped:
+            return None
+        if step in probe_at or in_a_row >= settings.max_nonfinite_steps or step == settings.steps:
+            maps = np.asarray(jax.device_get(residual_maps(state.model, probe_tokens)))
+            probes[step] = {k: v.tolist() for k, v in composite_gains(maps).items()}
+        if step == settings.steps or in_a_row >= settings.max_nonfinite_steps:
+            break
+        tick = time.perf_counter()
+        batch = Batch(tokens=train_data.batch_at(step, global_batch=settings.batch_size))
+        state, metrics = train_step(state, batch)
+        values = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "skipped")})
+        step_times.append(time.perf_counter() - tick)
+        loss, grad_norm = float(values["loss"]), float(values["grad_norm"])
+        losses.append(loss)
+        grad_norms.append(grad_norm)
+        bad = not (math.isfinite(loss) and math.isfinite(grad_norm)) or float(values["skipped"]) > 0
+        in_a_row = in_a_row + 1 if bad else 0
+        if bad:
+            nonfinite.append(step + 1)
+    diverged = in_a_row >= settings.max_nonfinite_steps
+    return {**dataclasses.asdict(run), "status": "diverged" if diverged else "finished",
+            "steps_done": len(losses), "loss": losses, "grad_norm": grad_norms, "nonfinite_steps": nonfinite,
+            "probes": {str(k): v for k, v in sorted(probes.items())}, "params": config.num_params(),
+            "step_time_s": float(np.median(step_times[1:] or step_times)),
+            "wall_s": time.perf_counter() - start}
