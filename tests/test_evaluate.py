@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nash_mhc.data import ByteTokenizer
+from nash_mhc.data import ByteTokenizer, count_bytes
 from nash_mhc.evaluate import main as evaluate_main
-from nash_mhc.inference import count_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 80
