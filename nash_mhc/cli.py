@@ -141,3 +141,12 @@ class Checkpoint:
     def __post_init__(self) -> None:
         if self.step is not None and self.step < 0:
             raise ValueError(f"--step must be >= 0, got {self.step}")
+
+
+def checkpoint_program_parser(prog: str, doc: str, settings: type) -> SettingsParser:
+    """The flags of a program that loads a trained model (generate, evaluate): which checkpoint, the program's
+    own ``settings`` and the compile cache. A flag every such program gains is added here, once."""
+    parser = SettingsParser(prog, doc)
+    for cls in (Checkpoint, settings, CompileCache):
+        parser.add_settings(cls)
+    return parser

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import sys
 
-from nash_mhc.cli import Checkpoint, CompileCache, SettingsParser, fail
+from nash_mhc.cli import SettingsParser, checkpoint_program_parser, fail
 from nash_mhc.settings import NON_NEGATIVE_INT, POSITIVE_INT, check_settings, setting
 
 
@@ -35,31 +35,16 @@ class EvaluateConfig:
 
 
 def build_parser() -> SettingsParser:
-    parser = SettingsParser("python -m nash_mhc.evaluate", __doc__)
-    parser.add_settings(Checkpoint)
-    parser.add_settings(EvaluateConfig)
-    parser.add_settings(CompileCache)
-    return parser
+    return checkpoint_program_parser("python -m nash_mhc.evaluate", __doc__, EvaluateConfig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    given = parser.given(argv)
-    try:
-        checkpoint, config = parser.build(Checkpoint, given), parser.build(EvaluateConfig, given)
-    except ValueError as error:
-        return fail(error)
-
-    import logging
-
     from nash_mhc.data import DataConfig, open_windows
-    from nash_mhc.inference import load_model
+    from nash_mhc.inference import load_from_flags
     from nash_mhc.training.evaluation import evaluate
 
-    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
-    parser.build(CompileCache, given).use()
     try:
-        loaded = load_model(checkpoint.checkpoint_dir, step=checkpoint.step, untrained=checkpoint.untrained)
+        config, loaded = load_from_flags(build_parser(), argv, EvaluateConfig)
         data_config = loaded.data_config()
         if config.dataset not in (None, data_config.dataset):
             data_config = DataConfig(dataset=config.dataset, tokenizer=data_config.tokenizer)

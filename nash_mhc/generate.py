@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nash_mhc.cli import Checkpoint, CompileCache, SettingsParser, fail
+from nash_mhc.cli import SettingsParser, checkpoint_program_parser, fail
 from nash_mhc.decoding import Sampling
 from nash_mhc.decoding import generate as _generate
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
@@ -52,11 +52,7 @@ class GenerateConfig:
 
 
 def build_parser() -> SettingsParser:
-    parser = SettingsParser("python -m nash_mhc.generate", __doc__)
-    parser.add_settings(Checkpoint)
-    parser.add_settings(GenerateConfig)
-    parser.add_settings(CompileCache)
-    return parser
+    return checkpoint_program_parser("python -m nash_mhc.generate", __doc__, GenerateConfig)
 
 
 class TextStream:
@@ -86,21 +82,10 @@ class TextStream:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    given = parser.given(argv)
+    from nash_mhc.inference import load_from_flags
+
     try:
-        checkpoint, config = parser.build(Checkpoint, given), parser.build(GenerateConfig, given)
-    except ValueError as error:
-        return fail(error)
-
-    import logging
-
-    from nash_mhc.inference import load_model
-
-    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
-    parser.build(CompileCache, given).use()
-    try:
-        loaded = load_model(checkpoint.checkpoint_dir, step=checkpoint.step, untrained=checkpoint.untrained)
+        config, loaded = load_from_flags(build_parser(), argv, GenerateConfig)
         tokenizer, context = loaded.tokenizer, loaded.config.seq_len
         ids = tokenizer.encode(config.prompt) if config.prompt else np.asarray([tokenizer.eos_id], np.int32)
         if len(ids) >= context:

@@ -5,13 +5,15 @@ tokenizer, dataset) and restores only the model, onto one device. ``python -m na
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import logging
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nash_mhc.cli import Checkpoint, CompileCache, SettingsParser
 from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig, Tokenizer, get_tokenizer
 from nash_mhc.model import LanguageModel
@@ -20,7 +22,9 @@ from nash_mhc.training.checkpoint import Checkpointer, CheckpointError, find_che
 from nash_mhc.training.config import TrainConfig
 from nash_mhc.training.state import init_train_state
 
-__all__ = ["LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "load_from_flags", "load_model"]
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,3 +94,13 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
     finally:
         checkpointer.close()
     return LoadedModel(model=model, config=model.config, tokenizer=tokenizer, step=step, meta=meta, mesh=mesh)
+
+
+def load_from_flags(parser: SettingsParser, argv: list[str] | None, settings: type[T]) -> tuple[T, LoadedModel]:
+    """What ``generate`` and ``evaluate`` start with: their ``settings`` (checked before anything is loaded)
+    and the model of the run ``--checkpoint-dir``/``--step``/``--untrained`` name, with the compile cache on."""
+    given = parser.given(argv)
+    checkpoint, config = parser.build(Checkpoint, given), parser.build(settings, given)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
+    parser.build(CompileCache, given).use()
+    return config, load_model(checkpoint.checkpoint_dir, step=checkpoint.step, untrained=checkpoint.untrained)

@@ -19,7 +19,7 @@ from typing import Any
 
 from nash_mhc.cli import CompileCache, SettingsParser, fail
 from nash_mhc.config import ModelConfig
-from nash_mhc.data.config import DataConfig
+from nash_mhc.data import DataConfig
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 from nash_mhc.sharding import MeshConfig
 from nash_mhc.training.config import RunConfig, TrainConfig

@@ -12,17 +12,50 @@ registry), :mod:`.encode` (documents → token stream), :mod:`.prefetch`, :mod:`
 
 from __future__ import annotations
 
-from nash_mhc.data.config import DataConfig
+import dataclasses
+import os
+
 from nash_mhc.data.encode import encode_chunks, token_stream
 from nash_mhc.data.prefetch import Prefetcher
 from nash_mhc.data.prepared import PreparedSplit
 from nash_mhc.data.sources import Corpus, open_source
 from nash_mhc.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, count_bytes, get_tokenizer
 from nash_mhc.data.windows import PackedDataset
+from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 
 __all__ = ["ByteTokenizer", "Corpus", "DataConfig", "HFTokenizer", "PackedDataset", "Prefetcher", "PreparedSplit",
            "Tokenizer", "count_bytes", "encode_chunks", "get_tokenizer", "make_datasets", "open_source",
            "open_windows", "token_stream"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The dataset (``--dataset``; see :mod:`nash_mhc.data.sources`) and the tokenizer that reads it.
+
+    ``dataset_split`` is the Hugging Face dataset's own named split to train on (``--split``), not the
+    train/eval *part* every dataset is cut into.
+    """
+
+    dataset: str = setting("stdlib", "'stdlib' (offline default corpus), 'synthetic', a local .txt/.jsonl/.json/"
+                                     ".parquet file or directory, a save_to_disk directory, prepared shards (python "
+                                     "-m nash_mhc.data.prepare) or a Hugging Face dataset id")
+    dataset_name: str | None = setting(None, "configuration name of a Hugging Face dataset")
+    dataset_split: str = setting("train", "split of a Hugging Face dataset (or saved DatasetDict) to train on",
+                                 flag="--split")
+    text_field: str = setting("text", "text column of JSON, Parquet and datasets data")
+    tokenizer: str = setting("bytes", "'bytes' (offline default), a tokenizer.json, a tokenizer directory or a "
+                                      "Hugging Face tokenizer id")
+    num_workers: int = setting(os.cpu_count() or 1, "tokenisation threads (the stream does not depend on them)",
+                               check=POSITIVE_INT)
+    max_stream_tokens: int | None = setting(20_000_000, "tokens read from a streamed Hugging Face dataset (its "
+                                                        "deterministic prefix is trained on; prepare shards for "
+                                                        "more)", check=POSITIVE_INT)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    def load_tokenizer(self) -> Tokenizer:
+        return get_tokenizer(self.tokenizer)
 
 
 def open_windows(config: DataConfig, part: str, tokenizer: Tokenizer, seq_len: int, seed: int) -> PackedDataset:

@@ -8,8 +8,8 @@ against the vocabulary (a one-line ``ValueError`` naming the id and the vocabula
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -63,22 +63,13 @@ def _work_units(docs: Iterable[str | bytes]) -> Iterator[list[tuple[str | bytes,
 
 
 def _ordered_map(fn: Callable[[Any], Any], items: Iterator[Any], workers: int) -> Iterator[Any]:
-    """``map(fn, items)`` on ``workers`` threads, in order, with at most ``2 * workers`` items in flight."""
+    """``map(fn, items)`` on ``workers`` threads, in order, ``2 * workers`` items at a time."""
     if workers <= 1:
         yield from map(fn, items)
         return
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="nash_mhc-tokenize") as pool:
-        pending: collections.deque[concurrent.futures.Future] = collections.deque()
-        try:
-            for item in items:
-                pending.append(pool.submit(fn, item))
-                if len(pending) >= 2 * workers:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:
-            for future in pending:
-                future.cancel()
+        while batch := list(itertools.islice(items, 2 * workers)):
+            yield from pool.map(fn, batch)
 
 
 def encode_chunks(corpus: Corpus, tokenizer: Tokenizer, *, num_workers: int = 1,

@@ -24,6 +24,11 @@ _FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".gz", ".bin", ".arrow"
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty)."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def looks_like_hub_id(name: str) -> bool:
     """Whether ``name`` has the shape of a hub repository id (``org/name`` or a bare ``name``) rather than of a
     path (absolute, ``./``, ``~``, several ``/``, a file suffix)."""

@@ -15,12 +15,16 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from nash_mhc.cli import SettingsParser, fail
-from nash_mhc.data.config import DataConfig
+from nash_mhc.data import DataConfig, prepared
+from nash_mhc.data.encode import encode_chunks
+from nash_mhc.data.sources import open_source
+from nash_mhc.data.windows import stream_dtype
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 
 
@@ -41,12 +45,6 @@ class PrepareConfig:
 def prepare_shards(data: DataConfig, config: PrepareConfig) -> dict[str, Any]:
     """Tokenise ``data``'s train and eval parts into ``config.out``; returns the index. Raises a one-line
     ``ValueError`` for unusable input; on failure only what this call created is removed."""
-    from tqdm.auto import tqdm
-
-    from nash_mhc.data import encode, prepared
-    from nash_mhc.data.sources import open_source
-    from nash_mhc.data.windows import stream_dtype
-
     directory = Path(config.out).expanduser()
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise ValueError(f"--out {config.out!r} already exists and is not an empty directory; choose a new "
@@ -65,13 +63,8 @@ def prepare_shards(data: DataConfig, config: PrepareConfig) -> dict[str, Any]:
             limit = config.max_tokens if part == "train" else None
             with tqdm(desc=f"{part} tokens", unit="tok", unit_scale=True, disable=not config.progress,
                       file=sys.stderr) as bar:
-                def counted(chunks: Iterator[encode.EncodedChunk], bar: Any = bar) -> Iterator[encode.EncodedChunk]:
-                    for chunk in chunks:
-                        bar.update(chunk.ids.size)
-                        yield chunk
-
-                chunks = encode.encode_chunks(corpus, tokenizer, num_workers=data.num_workers, max_tokens=limit)
-                splits[part] = prepared.write_part(directory, part, counted(chunks), dtype)
+                chunks = encode_chunks(corpus, tokenizer, num_workers=data.num_workers, max_tokens=limit)
+                splits[part] = prepared.write_part(directory, part, chunks, dtype, progress=bar.update)
             if not splits[part]["num_documents"]:
                 raise ValueError(f"dataset {data.dataset!r} is empty: its {part} split has no documents")
         index = {"dtype": dtype.name, "tokenizer": prepared.tokenizer_record(tokenizer),

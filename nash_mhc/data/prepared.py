@@ -1,26 +1,18 @@
 """Prepared shards: a corpus tokenised once (``python -m nash_mhc.data.prepare``), one memory-mapped file per part.
 
-A prepared directory holds ``train.bin`` and ``eval.bin`` (native little-endian ``uint16`` while the vocabulary
-fits in 16 bits, else ``uint32``; no header, so ``np.memmap`` reads them directly) and ``index.json``::
-
-    {"format": "nash_mhc-shards", "version": 2, "dtype": "uint16",
-     "tokenizer": {"name": "bytes", "fingerprint": "bytes", "vocab_size": 259, "bos_id": 256, "eos_id": 257,
-                   "pad_id": 258},
-     "source": {"dataset": ..., "dataset_name": ..., "split": ..., "text_field": ..., "max_tokens": ...},
-     "splits": {"train": {"file": "train.bin", "num_tokens": ..., "num_documents": ..., "max_token_id": ...},
-                "eval": {...}}}
-
-Each file is exactly the token stream the on-the-fly pipeline builds (documents separated by EOS), so it is
-cut into the same windows and batched in the same ``(seed, step)`` order, and a host reads only its rows.
-Opening checks that the index's tokenizer (fingerprint, vocabulary size, EOS) matches ``--tokenizer`` and the
-files their recorded sizes; every batch's ids are checked against the vocabulary.
+A prepared directory holds ``train.bin`` and ``eval.bin`` (headerless native ``uint16``, or ``uint32`` for
+vocabularies over 2**16) and ``index.json``: ``{"format": "nash_mhc-shards", "version": 2, "dtype",
+"tokenizer": {name, fingerprint, vocab_size, bos_id, eos_id, pad_id}, "source": {how it was read}, "splits":
+{"train": {file, num_tokens, num_documents, max_token_id}, "eval": {...}}}``. Each file is exactly the stream
+the on-the-fly pipeline builds, so it gives the same windows and batches, and a host reads only its rows.
+Opening checks the tokenizer (fingerprint, vocabulary size, EOS) and the file sizes against the index.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +84,10 @@ class PreparedSplit:
                              name=f"{self.name}/{self.part}")
 
 
-def write_part(directory: Path, part: str, chunks: Iterable[tuple[np.ndarray, int]], dtype: np.dtype
-               ) -> dict[str, Any]:
-    """Append ``(ids, documents)`` chunks to ``<part>.bin`` (written as ``.tmp``, renamed when complete);
-    returns the part's index entry. A failure removes the partial file."""
+def write_part(directory: Path, part: str, chunks: Iterable[tuple[np.ndarray, int]], dtype: np.dtype, *,
+               progress: Callable[[int], object] = lambda tokens: None) -> dict[str, Any]:
+    """Append ``(ids, documents)`` chunks to ``<part>.bin`` (written as ``.tmp``, renamed when complete; a
+    failure removes it), calling ``progress(tokens)`` per chunk; returns the part's index entry."""
     final = directory / f"{part}.bin"
     temporary = final.with_name(final.name + ".tmp")
     entry = {"file": final.name, "num_tokens": 0, "num_documents": 0, "max_token_id": -1}
@@ -107,6 +99,7 @@ def write_part(directory: Path, part: str, chunks: Iterable[tuple[np.ndarray, in
                 entry["num_tokens"] += int(ids.size)
                 entry["num_documents"] += int(documents)
                 entry["max_token_id"] = max(entry["max_token_id"], int(ids.max()) if ids.size else -1)
+                progress(ids.size)
         os.replace(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)

@@ -1,21 +1,17 @@
-"""Tokenizers: the ``Tokenizer`` protocol, the offline byte-level tokenizer and Hugging Face tokenizers.
+"""Tokenizers: text ↔ 1-D ``int32`` ids in ``[0, vocab_size)``, without special tokens (the pipeline puts
+``eos_id`` after every document; ``pad_id`` never equals ``eos_id``, so EOS stays a trained target).
 
-Every tokenizer maps text to a 1-D ``int32`` array of ids in ``[0, vocab_size)`` and back. ``encode`` adds no
-special tokens; the data pipeline puts ``eos_id`` after every document itself. ``pad_id`` always differs from
-``eos_id`` (so EOS stays a trained target); the model pads ``vocab_size`` to a multiple of 128.
-
-``get_tokenizer(spec)`` accepts ``"bytes"`` (UTF-8 bytes, the offline default, vocabulary 259); a
-``tokenizer.json`` file or a directory holding one (``save_pretrained`` output, whose
-``tokenizer_config.json``/``special_tokens_map.json`` name the special tokens), read with ``tokenizers`` (the
-``data`` extra); another tokenizer directory through ``transformers`` (its fast backend) when installed; or a
-Hugging Face hub id, from the local cache or downloaded when the hub answers. Special tokens of a Hugging Face
-tokenizer: EOS is the configured ``eos_token`` or the first of ``<|endoftext|> </s> ...`` in the vocabulary, BOS
-likewise (else BOS = EOS), PAD the configured ``pad_token`` or ``<pad>``/``[PAD]`` when that is not EOS, else a
-new id after the vocabulary (never produced by ``encode``, dropped by ``decode``).
+``get_tokenizer(spec)``: ``"bytes"`` (UTF-8 bytes, the offline default, vocabulary 259); a ``tokenizer.json`` or
+a directory with one (``save_pretrained`` output; its ``tokenizer_config.json``/``special_tokens_map.json`` name
+the special tokens), read with ``tokenizers``; another directory through ``transformers`` (fast backend); or a
+hub id (local cache first, then the hub). Hugging Face specials: EOS is the configured ``eos_token`` or the first
+of ``<|endoftext|> </s> ...`` in the vocabulary, BOS likewise (else EOS), PAD the configured or ``<pad>``-like
+token unless it is EOS, else a new id after the vocabulary (never produced by ``encode``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -71,9 +67,6 @@ class ByteTokenizer:
     def decode(self, ids: npt.ArrayLike) -> str:
         arr = np.asarray(ids).reshape(-1).astype(np.int64)
         return arr[(arr >= 0) & (arr < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-
-    def __repr__(self) -> str:
-        return "ByteTokenizer()"
 
 
 _EOS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>", "[SEP]", "<|end|>")
@@ -137,10 +130,6 @@ def count_bytes(tokenizer: Tokenizer, ids: Integer[np.ndarray, "*batch seq"]) ->
 
 
 # ------------------------------------------------------------------------------------------------- loading
-def _first_line(error: BaseException) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
-
-
 def _special_tokens(files: Sequence[str | Path]) -> dict[str, str]:
     """``{"eos_token": ..., "bos_token": ..., "pad_token": ...}`` from tokenizer_config/special_tokens_map."""
     found: dict[str, str] = {}
@@ -166,7 +155,7 @@ def _from_json(file: Path, spec: str, config_files: Sequence[str | Path]) -> HFT
     try:
         backend = tokenizers.Tokenizer.from_file(str(file))
     except Exception as error:  # noqa: BLE001 - the Rust error text is the useful part
-        raise ValueError(f"tokenizer {spec!r}: cannot read {file}: {_first_line(error)}") from None
+        raise ValueError(f"tokenizer {spec!r}: cannot read {file}: {hub.first_line(error)}") from None
     return HFTokenizer(backend, name=spec, special_tokens=_special_tokens(config_files))
 
 
@@ -180,39 +169,29 @@ def _from_transformers(source: str, spec: str, *, local_only: bool) -> HFTokeniz
     try:
         tok = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
     except Exception as error:  # noqa: BLE001
-        raise ValueError(f"tokenizer {spec!r}: transformers cannot load it: {_first_line(error)}") from None
+        raise ValueError(f"tokenizer {spec!r}: transformers cannot load it: {hub.first_line(error)}") from None
     if getattr(tok, "backend_tokenizer", None) is None:
         raise ValueError(f"tokenizer {spec!r} has no fast (tokenizers) backend; convert it to a tokenizer.json")
     special = {k: getattr(tok, k) for k in ("eos_token", "bos_token", "pad_token") if isinstance(getattr(tok, k), str)}
     return HFTokenizer(tok.backend_tokenizer, name=spec, special_tokens=special)
 
 
-def _hub_file(repo_id: str, filename: str, online: bool) -> str | None:
-    """A file of a hub repository: from the local cache, else downloaded when the hub answers."""
-    from huggingface_hub import hf_hub_download
-
-    for offline in (True, False) if online else (True,):
-        try:
-            if offline:
-                with hub.offline():
-                    return hf_hub_download(repo_id, filename)
-            return hf_hub_download(repo_id, filename)
-        except Exception:  # noqa: BLE001 - not cached / not in the repository / download failed
-            continue
-    return None
-
-
 def _from_hub(spec: str) -> HFTokenizer:
+    """A hub tokenizer: its tokenizer.json (and special-token files) from the local cache, else downloaded."""
     try:
-        import huggingface_hub  # noqa: F401
+        from huggingface_hub import snapshot_download
     except ImportError:
         raise ValueError(f"tokenizer {spec!r} looks like a Hugging Face hub id but huggingface_hub is not installed "
                          f"(pip install 'nash-mhc[data]'); {hub.TOKENIZER_ALTERNATIVES}") from None
     online = hub.hub_reachable()
-    file = _hub_file(spec, "tokenizer.json", online)
-    if file is not None:
-        configs = [c for c in (_hub_file(spec, f, online) for f in _CONFIG_FILES) if c is not None]
-        return _from_json(Path(file), spec, configs)
+    for cached in (True, False) if online else (True,):
+        try:
+            with hub.offline() if cached else contextlib.nullcontext():
+                directory = Path(snapshot_download(spec, allow_patterns=["tokenizer.json", *_CONFIG_FILES]))
+        except Exception:  # noqa: BLE001 - not cached / the download failed
+            continue
+        if (directory / "tokenizer.json").is_file():
+            return _from_json(directory / "tokenizer.json", spec, [directory / f for f in _CONFIG_FILES])
     if online:
         return _from_transformers(spec, spec, local_only=False)
     raise ValueError(f"tokenizer {spec!r} cannot be reached offline (not in the local Hugging Face cache); "

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nash_mhc.data import hub
-from nash_mhc.data.sources.base import Corpus, document_fractions, held_out
+from nash_mhc.data.sources.base import Corpus, document_fractions, held_out, text_of
 
 STREAM_EVAL_DOCUMENTS = 200
 EVAL_SPLIT_NAMES = ("validation", "valid", "val", "test")
@@ -32,10 +32,6 @@ def _datasets(what: str) -> Any:
     return datasets
 
 
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
 def is_saved_dataset(path: Path) -> bool:
     """Whether ``path`` is a directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
     return path.is_dir() and ((path / "dataset_dict.json").is_file()
@@ -49,27 +45,15 @@ def _splits(available: Sequence[str], train_split: str, what: str) -> tuple[str,
     return train_split, next((s for s in EVAL_SPLIT_NAMES if s in available and s != train_split), None)
 
 
-def _check_field(columns: Sequence[str], field: str, what: str) -> None:
-    if field not in columns:
-        raise ValueError(f"text field {field!r} not found in {what}; fields: {', '.join(columns)} (use --text-field)")
-
-
 def _texts(rows: Iterable[dict[str, Any]], field: str, what: str) -> Iterator[str | None]:
-    """The ``field`` of every row, checked to be text (a missing field fails on the first row)."""
-    for i, row in enumerate(rows):
-        if i == 0:
-            _check_field(list(row), field, what)
-        if row[field] is not None and not isinstance(row[field], str):
-            raise ValueError(f"text field {field!r} in {what} is {type(row[field]).__name__}, not a string "
-                             "(use --text-field)")
-        yield row[field]
+    return (text_of(row, field, what) for row in rows)
 
 
 def _table_texts(table: Any, field: str, what: str) -> Iterator[str | None]:
     """The ``field`` of every row of an Arrow ``Dataset``, read in column batches."""
-    _check_field(table.column_names, field, what)
-    batches = table.select_columns([field]).iter(batch_size=1000)
-    return _texts(({field: text} for batch in batches for text in batch[field]), field, what)
+    text_of(dict.fromkeys(table.column_names), field, what)  # fails now when the column is missing
+    return _texts(({field: text} for batch in table.select_columns([field]).iter(1000) for text in batch[field]),
+                  field, what)
 
 
 def _table_documents(train: Any, own_eval: Any, part: str, field: str, key: str, what: str) -> Iterator[str]:
@@ -90,7 +74,7 @@ def saved_corpus(path: Path, name: str, part: str, dataset_split: str, text_fiel
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as error:  # noqa: BLE001
-        raise ValueError(f"{what}: cannot load the saved dataset: {_first_line(error)}") from None
+        raise ValueError(f"{what}: cannot load the saved dataset: {hub.first_line(error)}") from None
     own_eval = None
     if isinstance(loaded, datasets.DatasetDict):
         train_split, eval_split = _splits(list(loaded), dataset_split, what)
@@ -100,7 +84,7 @@ def saved_corpus(path: Path, name: str, part: str, dataset_split: str, text_fiel
                          "not apply")
     for table in (loaded, own_eval):
         if table is not None:
-            _check_field(table.column_names, text_field, what)
+            text_of(dict.fromkeys(table.column_names), text_field, what)
     return Corpus(name, part, lambda: _table_documents(loaded, own_eval, part, text_field, dataset_split, what))
 
 
@@ -120,7 +104,7 @@ def hub_corpus(repo_id: str, part: str, dataset_name: str | None, dataset_split:
     except Exception as error:  # noqa: BLE001 - whatever the reason, the dataset is not usable
         if not reachable:
             raise ValueError(f"{what} cannot be reached offline; {hub.DATASET_ALTERNATIVES}") from None
-        raise ValueError(f"{what}: {_first_line(error)}") from None
+        raise ValueError(f"{what}: {hub.first_line(error)}") from None
     train_split, own_eval = _splits(names, dataset_split, what)
 
     def rows(split: str) -> Iterator[str | None]:
@@ -134,7 +118,7 @@ def hub_corpus(repo_id: str, part: str, dataset_name: str | None, dataset_split:
         except ValueError:
             raise
         except Exception as error:  # noqa: BLE001 - network and hub errors become one line
-            raise ValueError(f"{where}: {_first_line(error)}") from None
+            raise ValueError(f"{where}: {hub.first_line(error)}") from None
 
     def documents() -> Iterator[str]:
         if part == "eval":

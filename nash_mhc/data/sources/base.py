@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,20 @@ class Corpus:
     part: str
     documents: Callable[[], Iterable[str | bytes]]
     max_tokens: int | None = None
+
+
+def text_of(record: Any, field: str, where: str) -> str | None:
+    """``record[field]`` (None for a null text); one-line errors for a record without the field (naming its
+    fields) or with a field that is not text."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object with a {field!r} field")
+    if field not in record:
+        fields = ", ".join(map(str, record)) or "none"
+        raise ValueError(f"text field {field!r} not found in {where}; fields: {fields} (use --text-field)")
+    if record[field] is not None and not isinstance(record[field], str):
+        raise ValueError(f"text field {field!r} in {where} is a {type(record[field]).__name__}, not a string "
+                         "(use --text-field)")
+    return record[field]
 
 
 def check_part(part: str) -> str:
