@@ -39,15 +39,19 @@ def _flag_type(annotation: Any) -> Any:
     return float if float in args else args[0]
 
 
-class SettingsParser(argparse.ArgumentParser):
-    """argparse over settings dataclasses: generated flags, ``--config FILE`` defaults, one-line errors (exit 2)."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports errors as a single line (exit 2), without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"error: {message} (see --help)\n")
+
+
+class SettingsParser(OneLineParser):
+    """Flags generated from settings dataclasses, with ``--config FILE`` values under them."""
 
     def __init__(self, prog: str, doc: str) -> None:
         super().__init__(prog=prog, description=doc.splitlines()[0], argument_default=argparse.SUPPRESS)
         self.owner: dict[str, tuple[type, str, bool]] = {}  # dest -> (settings class, field, negated bool)
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"error: {message} (see --help)\n")
 
     def add_settings(self, cls: type, title: str | None = None, *, prefix: str = "", only: tuple[str, ...] = (),
                      default_text: str | None = None) -> None:
