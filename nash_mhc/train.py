@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nash_mhc.cli import CompileCache, SettingsParser, fail
 from nash_mhc.config import ModelConfig
@@ -23,6 +23,9 @@ from nash_mhc.data import DataConfig
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 from nash_mhc.sharding import MeshConfig
 from nash_mhc.training.config import RunConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from nash_mhc.training.loop import Configs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +58,7 @@ def build_parser() -> SettingsParser:
     return parser
 
 
-def configs(argv: list[str] | None = None, parser: SettingsParser | None = None) -> tuple[Any, CompileCache]:
+def configs(argv: list[str] | None = None, parser: SettingsParser | None = None) -> tuple[Configs, CompileCache]:
     """(training.loop.Configs, CompileCache) from the command line; ValueError on inconsistent values."""
     from nash_mhc.training.loop import Configs
 

@@ -77,3 +77,23 @@ def test_the_graph_sees_absolute_relative_and_lazy_imports():
 def test_no_import_cycles_in_the_package():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_low_layers_do_not_reach_the_programs_or_the_training_shell():
+    graph = import_graph()
+    shell = {"nash_mhc.training.loop", "nash_mhc.training.checkpoint", "nash_mhc.train", "nash_mhc.evaluate"}
+    for module in ("nash_mhc.hardware", "nash_mhc.settings", "nash_mhc.config", "nash_mhc.sharding",
+                   "nash_mhc.data", "nash_mhc.training.step"):
+        assert not reachable(graph, module) & shell, module
+    assert not reachable(graph, "nash_mhc.data") - {m for m in graph if m.startswith("nash_mhc.data")} - {
+        "nash_mhc.settings"}  # the data package needs nothing of the rest but the settings helper

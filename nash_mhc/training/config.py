@@ -30,9 +30,9 @@ class TrainConfig(ConfigMethods):
     ``remat``: None keeps ``ModelConfig.remat``; a policy overrides it for training (library use; no flag).
     """
 
-    batch_size: int = setting(8, check=POSITIVE_INT)
     grad_accum_steps: int = setting(1, "microbatches per optimizer update (default: 1, or from "
                                        "--total-batch-tokens)", check=POSITIVE_INT)
+    batch_size: int = setting(8, check=POSITIVE_INT)
     learning_rate: float = setting(1e-3, "peak learning rate", check=POSITIVE)
     min_lr_ratio: float = setting(0.1, "final learning rate / peak", check=between(0, 1))
     warmup_steps: int | None = setting(None, "linear warmup steps (default: 10% of the schedule, at most 1000)",
