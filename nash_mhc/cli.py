@@ -1,10 +1,10 @@
 """What the command-line programs share: flags generated from settings, one-line errors, the compile cache.
 
 :class:`SettingsParser` makes one kebab-case flag per field declared with :func:`nash_mhc.settings.setting`
-(``batch_size`` → ``--batch-size``; a ``bool`` field that defaults to True becomes ``--no-<name>``). A flag that
-is not given leaves the field's own default in place, so a default is written only in its declaration (and
-``--help`` shows it from there). Adding a flag to a program = declaring a field with help text in a settings
-class the program already lists (or ``parser.add_settings(NewSettings)``).
+(``batch_size`` → ``--batch-size``; a ``bool`` field that defaults to True becomes ``--no-<name>``, and its help
+text describes that flag). A flag that is not given leaves the field's own default in place, so a default is
+written only in its declaration (``--help`` shows it from there). Adding a flag to a program = declaring a field
+with help text in a settings class the program already lists (or ``parser.add_settings(NewSettings)``).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class SettingsParser(OneLineParser):
 
     def add_settings(self, cls: type, title: str | None = None, *, prefix: str = "", only: tuple[str, ...] = (),
                      default_text: str | None = None) -> None:
-        """A flag for every field of ``cls`` that has help text (or those named in ``only``), in group ``title``;
-        ``prefix`` goes in front of the flag name (``mesh-`` → ``--mesh-data``)."""
+        """A flag for every field of ``cls`` that has help text (only those named in ``only``, when given), in
+        group ``title``; ``prefix`` goes in front of the flag name (``mesh-`` → ``--mesh-data``)."""
         group = self.add_argument_group(title) if title else self
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
@@ -84,8 +84,12 @@ class SettingsParser(OneLineParser):
 
     def values(self, cls: type, given: dict[str, Any]) -> dict[str, Any]:
         """``{field: value}`` of the given flags that belong to ``cls``."""
-        return {field: (not value if negated else value) for dest, value in given.items()
-                for owner, field, negated in [self.owner.get(dest, (None, "", False))] if owner is cls}
+        values = {}
+        for dest, value in given.items():
+            owner, field, negated = self.owner.get(dest, (None, "", False))
+            if owner is cls:
+                values[field] = not value if negated else value
+        return values
 
     def build(self, cls: type[T], given: dict[str, Any], **fixed: Any) -> T:
         """``cls`` from the given flags that belong to it (its defaults for the rest) and ``fixed`` values;
