@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, TypeVar
 
+from nash_mhc.settings import setting
+
 RESIDUAL_MODES = ("mhc", "hc", "plain")
 ATTENTION_MODES = ("multiscale", "full")
 AGGREGATION_MODES = ("nash", "convex")
@@ -64,27 +66,27 @@ class ModelConfig(ConfigMethods):
     """
 
     vocab_size: int = 259
-    seq_len: int = 256
+    seq_len: int = setting(256, "context length")
     d_model: int = 256
     num_layers: int = 4
     num_heads: int = 4
-    num_streams: int = 4
-    num_scales: int = 3
+    num_streams: int = setting(4, "mHC residual streams n")
+    num_scales: int = setting(3, "attention scales L")
     compression_ratio: int = 4
-    residual: str = "mhc"
-    attention: str = "multiscale"
-    aggregation: str = "nash"
+    residual: str = setting("mhc", "residual connection mode", choices=RESIDUAL_MODES)
+    attention: str = setting("multiscale", "attention mode", choices=ATTENTION_MODES)
+    aggregation: str = setting("nash", "multiscale aggregation", choices=AGGREGATION_MODES)
     sinkhorn_iters: int = 20
     nash_iters: int = 16
     nash_temperature: float = 0.1
-    sparsity_weight: float = 0.01
-    dtype: str = "float32"
+    sparsity_weight: float = setting(0.01, "weight of the aggregation-entropy aux loss")
+    dtype: str = setting("float32", "compute dtype (parameters stay float32)", choices=DTYPES)
     ffn_hidden: int = 0
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     hc_identity_logit: float = 4.0
-    remat: str = "none"
+    remat: str = setting("none", "rematerialisation policy of the layer scan", choices=REMAT_POLICIES)
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         # Compiles in seconds on a laptop CPU; used by the test-suite.

@@ -11,7 +11,7 @@ makes the module itself callable, so ``nash_mhc.generate(model, prompt, ...)`` w
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import sys
 import types
@@ -19,47 +19,40 @@ from typing import Any
 
 import numpy as np
 
-from nash_mhc.cli import OneLineParser, add_checkpoint_arguments, add_compile_cache_argument, fail, use_compile_cache
+from nash_mhc.cli import SettingsParser, checkpoint_program_parser, fail
 from nash_mhc.decoding import Sampling
 from nash_mhc.decoding import generate as _generate
+from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 
 DEFAULT_NEW_TOKENS = 200
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m nash_mhc.generate", description=__doc__.splitlines()[0],
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_checkpoint_arguments(p)
-    p.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
-    p.add_argument("--max-new-tokens", type=int,
-                   help=f"tokens to generate; prompt + new tokens must fit the model's context (default: "
-                        f"{DEFAULT_NEW_TOKENS}, or as many as fit)")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy (argmax)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample among the most likely tokens whose probability reaches p (1: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    p.add_argument("--num-samples", type=int, default=1, help="independent continuations to draw")
-    p.add_argument("--no-cache", action="store_true",
-                   help="recompute the full forward pass for every token (slow; the cache's reference)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-document token")
-    p.add_argument("--untrained", action="store_true", help="use the run's step-0 initialisation (a baseline)")
-    add_compile_cache_argument(p)
-    return p
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    """The prompt and how to sample its continuations."""
+
+    prompt: str = setting("", "text to continue (empty: start a new document)")
+    max_new_tokens: int | None = setting(None, "tokens to generate; prompt + new tokens must fit the model's context "
+                                               f"(default: {DEFAULT_NEW_TOKENS}, or as many as fit)",
+                                         check=POSITIVE_INT)
+    temperature: float = setting(0.8, "sampling temperature; 0 = greedy (argmax)")
+    top_k: int = setting(0, "sample among the k most likely tokens (0: all)")
+    top_p: float = setting(1.0, "sample among the most likely tokens whose probability reaches p (1: all)")
+    seed: int = setting(0, "seed of the sampling")
+    num_samples: int = setting(1, "independent continuations to draw", check=POSITIVE_INT)
+    cache: bool = setting(True, "recompute the full forward pass for every token (slow; the cache's reference)")
+    ignore_eos: bool = setting(False, "keep generating after an end-of-document token")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        try:  # the sampling ranges are Sampling's own checks; its messages start with the setting's name
+            Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        except ValueError as error:
+            raise ValueError(f"--{error}") from None
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Value checks that need no model; raises ValueError with a one-line message."""
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.num_samples < 1:
-        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
-    try:  # the sampling ranges are Sampling's own checks; its messages start with the setting's name
-        Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    except ValueError as error:
-        raise ValueError(f"--{error}") from None
-    if args.step is not None and args.step < 0:
-        raise ValueError(f"--step must be >= 0, got {args.step}")
+def build_parser() -> SettingsParser:
+    return checkpoint_program_parser("python -m nash_mhc.generate", __doc__, GenerateConfig)
 
 
 class TextStream:
@@ -89,47 +82,36 @@ class TextStream:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from nash_mhc.inference import load_from_flags
+
     try:
-        check_args(args)
-    except ValueError as error:
-        return fail(error)
-
-    import logging
-
-    from nash_mhc.inference import load_model
-
-    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
-    use_compile_cache(args.compile_cache_dir)
-    try:
-        loaded = load_model(args.checkpoint_dir, step=args.step, untrained=args.untrained)
+        config, loaded = load_from_flags(build_parser(), argv, GenerateConfig)
         tokenizer, context = loaded.tokenizer, loaded.config.seq_len
-        ids = tokenizer.encode(args.prompt) if args.prompt else np.asarray([tokenizer.eos_id], np.int32)
+        ids = tokenizer.encode(config.prompt) if config.prompt else np.asarray([tokenizer.eos_id], np.int32)
         if len(ids) >= context:
             raise ValueError(f"the prompt is {len(ids)} tokens, longer than the model's context of {context} "
                              f"tokens allows (at most {context - 1}, leaving room for one new token)")
-        if args.max_new_tokens is None:
-            args.max_new_tokens = min(DEFAULT_NEW_TOKENS, context - len(ids))
-        if len(ids) + args.max_new_tokens > context:
-            raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceed the "
-                             f"model's context of {context} tokens; use --max-new-tokens <= {context - len(ids)}")
+        new_tokens = config.max_new_tokens or min(DEFAULT_NEW_TOKENS, context - len(ids))
+        if len(ids) + new_tokens > context:
+            raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens {new_tokens} exceed the model's "
+                             f"context of {context} tokens; use --max-new-tokens <= {context - len(ids)}")
     except (ValueError, FileNotFoundError, PermissionError) as error:
         return fail(error)
 
     try:
-        if args.num_samples > 1:
+        if config.num_samples > 1:
             print("--- sample 1 ---")
-        sys.stdout.write(args.prompt)
+        sys.stdout.write(config.prompt)
         stream = TextStream(tokenizer)
-        tokens = _generate(loaded.model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, key=args.seed, num_samples=args.num_samples,
-                           use_cache=not args.no_cache, eos_id=None if args.ignore_eos else tokenizer.eos_id,
+        tokens = _generate(loaded.model, ids, max_new_tokens=new_tokens, temperature=config.temperature,
+                           top_k=config.top_k, top_p=config.top_p, key=config.seed, num_samples=config.num_samples,
+                           use_cache=config.cache, eos_id=None if config.ignore_eos else tokenizer.eos_id,
                            callback=lambda _, new: stream.add(new[0]))
         stream.close()
         print()
-        for i in range(1, args.num_samples):
+        for i in range(1, config.num_samples):
             print(f"--- sample {i + 1} ---")
-            print(args.prompt + tokenizer.decode(tokens[i]), flush=True)
+            print(config.prompt + tokenizer.decode(tokens[i]), flush=True)
     except KeyboardInterrupt:
         print(flush=True)
         return 130

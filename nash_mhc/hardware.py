@@ -118,6 +118,24 @@ def fallback_warning(platform: str, env: Mapping[str, str] | None = None,
     return None
 
 
+def initialize_distributed(env: Mapping[str, str] | None = None) -> None:
+    """``jax.distributed.initialize`` from JAX_COORDINATOR_ADDRESS / JAX_PROCESS_COUNT / JAX_PROCESS_INDEX
+    (CPU processes use gloo collectives), or with cluster auto-detection when NASH_MHC_DISTRIBUTED=1 (the pod
+    launcher sets it on every worker) or TPU_WORKER_HOSTNAMES lists several workers. No-op otherwise."""
+    import jax
+
+    env = os.environ if env is None else env
+    address = env.get("JAX_COORDINATOR_ADDRESS")
+    if address:
+        count, index = env.get("JAX_PROCESS_COUNT"), env.get("JAX_PROCESS_INDEX")
+        if count is None or index is None:
+            raise ValueError("JAX_COORDINATOR_ADDRESS is set: also set JAX_PROCESS_COUNT and JAX_PROCESS_INDEX")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=address, num_processes=int(count), process_id=int(index))
+    elif env.get("NASH_MHC_DISTRIBUTED") == "1" or "," in env.get("TPU_WORKER_HOSTNAMES", ""):
+        jax.distributed.initialize()  # cluster auto-detection (Cloud TPU pod slices, SLURM, ...)
+
+
 def _memory(device: Any) -> str | None:
     try:
         stats = device.memory_stats()
@@ -158,8 +176,6 @@ def summary_lines(devices: Sequence[Any] | None = None, env: Mapping[str, str] |
 def main(argv: list[str] | None = None) -> int:
     """Print the hardware summary (after ``jax.distributed`` set-up on pods); exit 2 on a platform error."""
     del argv
-    from nash_mhc.training.loop import initialize_distributed
-
     try:
         initialize_distributed()
         devices = init_devices()

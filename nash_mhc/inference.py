@@ -1,33 +1,30 @@
-"""Using a trained model: load it from a training run's checkpoint, and evaluate it on held-out text.
-
-``load_model(dir)`` reads the run's metadata (model/train config, tokenizer) and restores only what is
-needed onto one device; ``evaluate_model`` reports the token-weighted cross-entropy, perplexity and
-bits per byte (tokenizer-independent: total nats / ln 2 / UTF-8 bytes of the predicted text).
-Both ``python -m nash_mhc.generate`` and ``python -m nash_mhc.evaluate`` are thin shells around this module.
-"""
+"""Loading a trained model: ``load_model(dir)`` reads a training run's metadata (model and train config,
+tokenizer, dataset) and restores only the model, onto one device. ``python -m nash_mhc.generate`` and
+``python -m nash_mhc.evaluate`` start here."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any
+import logging
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
-from jaxtyping import Array, Float, Int, Integer
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nash_mhc.cli import Checkpoint, CompileCache, SettingsParser
 from nash_mhc.config import ModelConfig
-from nash_mhc.data import ByteTokenizer, PackedDataset, Tokenizer, get_tokenizer, load_source, token_stream
+from nash_mhc.data import DataConfig, Tokenizer, get_tokenizer
 from nash_mhc.model import LanguageModel
 from nash_mhc.sharding import make_mesh
 from nash_mhc.training.checkpoint import Checkpointer, CheckpointError, find_checkpoint
 from nash_mhc.training.config import TrainConfig
 from nash_mhc.training.state import init_train_state
 
-__all__ = ["EvalResult", "LoadedModel", "count_bytes", "eval_dataset", "evaluate_model", "load_model"]
+__all__ = ["LoadedModel", "load_from_flags", "load_model"]
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,27 +36,22 @@ class LoadedModel:
     tokenizer: Tokenizer
     step: int
     meta: dict[str, Any]
+    mesh: Mesh  # where the model's arrays live
 
-    @property
-    def dataset(self) -> str:
-        """The dataset the run trained on."""
-        return str(self.meta.get("data", {}).get("dataset", "stdlib"))
+    def data_config(self, **changes: Any) -> DataConfig:
+        """How the run read its data (dataset, tokenizer, Hugging Face configuration and split, text field)."""
+        data = self.meta.get("data", {})
+        names = {"dataset": "dataset", "tokenizer": "tokenizer", "dataset_name": "dataset_name",
+                 "split": "dataset_split", "text_field": "text_field", "max_stream_tokens": "max_stream_tokens"}
+        return DataConfig(**{field: data[key] for key, field in names.items() if key in data}, **changes)
 
     @property
     def seed(self) -> int:
         return int(self.meta.get("train_config", {}).get("seed", 0))
 
-    @property
-    def source_options(self) -> dict[str, Any]:
-        """How the run read its dataset (Hugging Face configuration/split, text field, ...): load_source kwargs."""
-        data = self.meta.get("data", {})
-        names = {"dataset_name": "dataset_name", "split": "dataset_split", "text_field": "text_field",
-                 "max_stream_tokens": "max_stream_tokens"}
-        return {option: data[key] for key, option in names.items() if key in data}
-
 
 def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool = False) -> LoadedModel:
-    """Restore the model of a training run's checkpoint onto the first device.
+    """Restore the model of a training run's checkpoint onto the first device (a one-device mesh).
 
     ``checkpoint_dir`` is a run directory (its latest step, or ``step``) or one step directory inside it.
     ``untrained=True`` returns the run's initialisation instead (same config and seed as its step 0), the
@@ -85,12 +77,12 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
         except (KeyError, TypeError) as error:
             raise CheckpointError(f"checkpoint metadata at {directory}/{step} lacks {error}") from error
         key = jax.random.key(train_config.seed)
+        mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
         if untrained:
             model = eqx.filter_jit(lambda k: LanguageModel(model_config, key=k))(key)
             step = 0
         else:
             # An abstract TrainState (no initialisation is run) placed whole on one device is the template.
-            mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
             replicated = NamedSharding(mesh, PartitionSpec())
             abstract = eqx.filter_eval_shape(init_train_state, model_config, train_config, mesh, key=key)
             template = jax.tree.map(
@@ -101,90 +93,14 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
             model = jax.tree.map(lambda a: jnp.asarray(jax.device_get(a)), model)
     finally:
         checkpointer.close()
-    return LoadedModel(model=model, config=model.config, tokenizer=tokenizer, step=step, meta=meta)
+    return LoadedModel(model=model, config=model.config, tokenizer=tokenizer, step=step, meta=meta, mesh=mesh)
 
 
-# ------------------------------------------------------------------------------------------------ evaluation
-def count_bytes(tokenizer: Tokenizer, ids: Integer[np.ndarray, "*batch seq"]) -> int:
-    """UTF-8 bytes of the text that ``ids`` stand for (special tokens count 0).
-
-    Uses the tokenizer's own ``num_bytes(ids)`` when it has one; the byte tokenizer's ids < 256 are one byte
-    each; otherwise each row is decoded and its UTF-8 length counted.
-    """
-    ids = np.asarray(ids)
-    own = getattr(tokenizer, "num_bytes", None)
-    if callable(own):
-        return int(own(ids))
-    if isinstance(tokenizer, ByteTokenizer):
-        return int(np.count_nonzero((ids >= 0) & (ids < 256)))
-    rows = ids.reshape(-1, ids.shape[-1]) if ids.ndim else ids.reshape(1, 1)
-    return sum(len(tokenizer.decode(row).encode("utf-8")) for row in rows)
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalResult:
-    """loss: mean cross-entropy per predicted token (nats); perplexity = exp(loss);
-    bits_per_byte = total nats / ln 2 / bytes (the UTF-8 bytes of the predicted tokens)."""
-
-    loss: float
-    perplexity: float
-    bits_per_byte: float
-    tokens: int
-    bytes: int
-    batches: int
-
-    def to_dict(self) -> dict[str, float | int]:
-        return dataclasses.asdict(self)
-
-
-@eqx.filter_jit
-def _token_nll(model: LanguageModel, tokens: Int[Array, "batch window"]) -> Float[Array, "batch seq"]:
-    """Cross-entropy (nats) of every next-token prediction of a batch of windows [B, T+1]."""
-    logits = model(tokens[:, :-1]).logits.astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-
-
-def eval_dataset(dataset: str, tokenizer: Tokenizer, seq_len: int, *, seed: int = 0, split: str = "eval",
-                 **source_options: Any) -> Any:
-    """One split (default: the held-out ``eval`` split) of ``dataset`` cut into windows of seq_len + 1.
-
-    The same windows as the training program's eval set (:func:`nash_mhc.data.make_datasets`), without
-    building the training split. ``source_options`` go to :func:`nash_mhc.data.load_source` (a run's own
-    are :attr:`LoadedModel.source_options`).
-    """
-    source = load_source(dataset, split, seed, **source_options)
-    packed = getattr(source, "packed_dataset", None)
-    if packed is not None:  # prepared shards: memory-mapped windows
-        return packed(tokenizer, seq_len, seed=seed)
-    return PackedDataset(token_stream(source, tokenizer), seq_len, seed=seed, vocab_size=tokenizer.vocab_size,
-                         name=f"{source.name}/{split}")
-
-
-def evaluate_model(model: LanguageModel, dataset: Any, tokenizer: Tokenizer, *, batch_size: int = 8,
-                   num_batches: int | None = 16) -> EvalResult:
-    """Token-weighted mean cross-entropy of ``model`` over ``num_batches`` batches of ``dataset``.
-
-    ``dataset`` is any windowed dataset of the data pipeline (``num_windows``, ``batch_at(i, global_batch=)``).
-    Batches are the dataset's fixed, seed-determined windows, none repeated: ``num_batches`` is capped at one
-    pass, and ``None``/0 means the whole split. Sums are accumulated on the host in float64.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch size must be >= 1, got {batch_size}")
-    if num_batches is not None and num_batches < 0:
-        raise ValueError(f"number of batches must be >= 0 (0: the whole split), got {num_batches}")
-    batch_size = min(batch_size, dataset.num_windows)
-    available = dataset.num_windows // batch_size
-    count = available if not num_batches else min(num_batches, available)
-    total_nats = 0.0
-    tokens = num_bytes = 0
-    for i in range(count):
-        batch = dataset.batch_at(i, global_batch=batch_size)
-        nll = np.asarray(_token_nll(model, jnp.asarray(batch)), np.float64)
-        total_nats += float(nll.sum())
-        tokens += nll.size
-        num_bytes += count_bytes(tokenizer, batch[:, 1:])
-    loss = total_nats / max(tokens, 1)
-    return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)),
-                      bits_per_byte=total_nats / math.log(2) / max(num_bytes, 1), tokens=tokens, bytes=num_bytes,
-                      batches=count)
+def load_from_flags(parser: SettingsParser, argv: list[str] | None, settings: type[T]) -> tuple[T, LoadedModel]:
+    """What ``generate`` and ``evaluate`` start with: their ``settings`` (checked before anything is loaded)
+    and the model of the run ``--checkpoint-dir``/``--step``/``--untrained`` name, with the compile cache on."""
+    given = parser.given(argv)
+    checkpoint, config = parser.build(Checkpoint, given), parser.build(settings, given)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
+    parser.build(CompileCache, given).use()
+    return config, load_model(checkpoint.checkpoint_dir, step=checkpoint.step, untrained=checkpoint.untrained)

@@ -3,7 +3,7 @@
 Built on ``etils.epath`` (the layer Orbax uses itself), so ``--checkpoint-dir gs://bucket/run`` reaches the
 same filesystem in the checkpointer, the run logger, ``config.json`` and the compile cache:
 
-- local paths (no scheme) are plain ``pathlib``-style paths made absolute (``~`` expanded), as before;
+- local paths (no scheme) are plain ``pathlib``-style paths made absolute (``~`` expanded);
 - ``gs://``/``s3://``/``az://``/``hf://`` go through epath's fsspec backend (``gcsfs`` for ``gs://``, installed
   by the ``tpu``/``gcs`` extras), or through ``tf.io.gfile`` when TensorFlow is installed; Orbax writes the
   arrays themselves with TensorStore's native GCS driver;
@@ -89,30 +89,6 @@ def missing_packages(kind: str) -> list[str]:
         except ImportError:
             missing.append("google-cloud-storage")
     return missing
-
-
-def join(path: PathLike, *parts: str) -> epath.Path:
-    return as_path(path).joinpath(*parts)
-
-
-def exists(path: PathLike) -> bool:
-    return as_path(path).exists()
-
-
-def makedirs(path: PathLike) -> epath.Path:
-    """Create ``path`` and its parents (a no-op on object stores, where directories are implicit)."""
-    directory = as_path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
-
-
-def write_text(path: PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` (one upload on object stores)."""
-    as_path(path).write_text(text)
-
-
-def read_text(path: PathLike) -> str:
-    return as_path(path).read_text()
 
 
 class Mirror:

@@ -42,6 +42,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from nash_mhc.settings import setting
+
 AXES = ("data", "fsdp", "tp")
 BATCH_AXES = ("data", "fsdp")
 AXIS_TYPE = AxisType.Auto
@@ -134,7 +136,21 @@ def resolve_mesh_shape(data: int, fsdp: int, tp: int, num_devices: int,
     return shape
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tp: int = 1, *, devices: Sequence[Any] | None = None) -> Mesh:
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The ``(data, fsdp, tp)`` mesh a program runs on (``--mesh-data --mesh-fsdp --mesh-tp``)."""
+
+    data: int = setting(-1, "data-parallel axis size (-1: the devices the other axes leave)")
+    fsdp: int = setting(1, "FSDP axis size (parameters and optimizer state split; -1: the rest)")
+    tp: int = setting(1, "tensor-parallel axis size (heads, FFN hidden and vocabulary split; -1: the rest)")
+
+    def make(self, *, devices: Sequence[Any] | None = None) -> Mesh:
+        """:func:`make_mesh` of these sizes (validated there)."""
+        return make_mesh(self.data, self.fsdp, self.tp, devices=devices)
+
+
+def make_mesh(data: int = MeshConfig.data, fsdp: int = MeshConfig.fsdp, tp: int = MeshConfig.tp, *,
+              devices: Sequence[Any] | None = None) -> Mesh:
     """A ``(data, fsdp, tp)`` mesh with ``AxisType.Auto`` axes over ``devices`` (default: all devices).
 
     The product of the axes must equal the number of devices (``jax.make_mesh`` would silently use a
@@ -254,12 +270,6 @@ def partition_specs(tree: PyTree, mesh: Mesh, *, strict: bool = False) -> PyTree
     return _map_array_leaves(lambda path, leaf: leaf_spec(path, leaf.shape, mesh, strict=strict)[0], tree)
 
 
-def named_shardings(tree: PyTree, mesh: Mesh, *, strict: bool = False) -> PyTree:
-    """Like :func:`partition_specs` but with ``NamedSharding(mesh, spec)`` leaves."""
-    return _map_array_leaves(
-        lambda path, leaf: NamedSharding(mesh, leaf_spec(path, leaf.shape, mesh, strict=strict)[0]), tree)
-
-
 def constrain(tree: PyTree, mesh: Mesh) -> PyTree:
     """``with_sharding_constraint`` on every array leaf of ``tree`` by the rules (inside jit)."""
     def apply(path: Any, leaf: Any) -> Any:
@@ -331,8 +341,8 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
 
 
 __all__ = [
-    "AXES", "AXIS_TYPE", "BATCH_AXES", "PARAM_RULES", "MeshError", "ShardingFallback", "batch_shards",
-    "batch_spec", "constrain", "describe_mesh", "leaf_spec", "make_mesh", "match_rule", "named_shardings",
+    "AXES", "AXIS_TYPE", "BATCH_AXES", "PARAM_RULES", "MeshConfig", "MeshError", "ShardingFallback", "batch_shards",
+    "batch_spec", "constrain", "describe_mesh", "leaf_spec", "make_mesh", "match_rule",
     "partition_specs", "path_str", "resolve_mesh_shape", "shard_batch", "sharding_fallbacks",
     "sharding_summary", "valid_mesh_shapes",
 ]

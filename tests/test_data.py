@@ -2,43 +2,31 @@
 
 from __future__ import annotations
 
-import dataclasses
+import sysconfig
 import threading
 import time
-from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from nash_mhc.data import (
     ByteTokenizer,
+    Corpus,
     PackedDataset,
     Prefetcher,
-    Source,
-    StdlibSource,
-    SyntheticSource,
     Tokenizer,
-    build_token_stream,
-    clear_cache,
     get_tokenizer,
-    load_source,
     make_datasets,
-    split_paths,
-    stdlib_files,
+    open_source,
     token_stream,
 )
+from nash_mhc.data.sources import held_out, stable_fraction, stdlib, synthetic
 
 
-@dataclasses.dataclass(frozen=True)
-class ListSource:
-    """A Source given as a literal list of documents: the interface later sources plug into."""
-
-    docs: tuple[str, ...]
-    name: str = "list"
-    split: str = "train"
-
-    def documents(self) -> Iterator[str]:
-        return iter(self.docs)
+def list_corpus(*docs: str) -> Corpus:
+    """A corpus given as a literal list of documents: the interface every source kind produces."""
+    return Corpus("list", "train", lambda: iter(docs))
 
 
 def one_line(excinfo: pytest.ExceptionInfo) -> str:
@@ -80,37 +68,40 @@ def test_unreachable_hub_tokenizer_is_a_one_line_value_error(monkeypatch):
 
 
 def test_stdlib_corpus_found_split_disjoint_and_stable():
-    train_src, eval_src = load_source("stdlib", "train"), load_source("default", "eval", seed=7)
-    assert isinstance(train_src, StdlibSource) and isinstance(train_src, Source)
-    train, held_out = train_src.files(), eval_src.files()
-    everything = stdlib_files(train_src.root)
+    root = sysconfig.get_paths()["stdlib"]
+    train_src, eval_src = open_source("stdlib", "train"), open_source("default", "eval", seed=7)
+    assert isinstance(train_src, Corpus) and (train_src.name, train_src.part, eval_src.part) == ("stdlib", "train",
+                                                                                                   "eval")
+    train, held = stdlib.split_files(root)
+    everything = stdlib.stdlib_files(root)
     assert len(everything) > 500
     assert list(everything) == sorted(everything)
     assert not any("site-packages" in p or "dist-packages" in p or "__pycache__" in p for p in everything)
     assert all(p.endswith(".py") for p in everything)
-    assert train and held_out and not set(train) & set(held_out)
-    assert set(train) | set(held_out) == set(everything)
-    assert len(held_out) < 0.05 * len(everything)
-    # Stable: a fresh directory scan and a fresh split give the same files, whatever the seed.
-    assert stdlib_files.__wrapped__(train_src.root) == everything
-    assert load_source("stdlib", "eval", seed=123).files() == held_out
-    assert split_paths(list(everything)) == (train, held_out)
+    assert train and held and not set(train) & set(held)
+    assert set(train) | set(held) == set(everything)
+    assert len(held) < 0.05 * len(everything)
+    # The held-out files are those whose SHA-1 fraction is below 1 %, whatever the seed.
+    assert held == [p for p in everything if stable_fraction(p) < 0.01]
+    assert len(list(eval_src.documents())) == len(held)
+    assert next(iter(eval_src.documents())) == (Path(root) / held[0]).read_bytes()
 
 
-def test_split_paths_puts_at_least_one_file_each_way():
-    for paths in (["a.py", "b.py"], [f"m{i}.py" for i in range(5)]):
-        train, held_out = split_paths(paths)
-        assert len(train) >= 1 and len(held_out) >= 1 and sorted(train + held_out) == sorted(paths)
-    train, held_out = split_paths(["a.py", "b.py", "c.py"], eval_fraction=1.0)
-    assert len(train) == 1 and len(held_out) == 2
+def test_held_out_puts_at_least_one_item_each_way():
+    for count in (2, 5):
+        mask = held_out(np.full(count, 0.5))
+        assert mask.sum() == 1
+    mask = held_out(np.array([0.1, 0.2, 0.3]), eval_fraction=1.0)
+    assert mask.tolist() == [True, True, False]
+    assert held_out(np.array([0.9])).tolist() == [False]  # one item: nothing is forced
 
 
 def test_synthetic_source_is_deterministic():
-    a = list(load_source("synthetic", "train", seed=3).documents())
-    b = list(SyntheticSource("train", seed=3).documents())
+    a = list(open_source("synthetic", "train", seed=3).documents())
+    b = list(synthetic.corpus("train", seed=3).documents())
     assert a == b and len(a) > 100 and all(doc.endswith(".") for doc in a)
-    assert list(SyntheticSource("train", seed=4).documents()) != a
-    assert list(SyntheticSource("eval", seed=3).documents())[:5] != a[:5]
+    assert list(synthetic.corpus("train", seed=4).documents()) != a
+    assert list(synthetic.corpus("eval", seed=3).documents())[:5] != a[:5]
     train, held_out, _ = make_datasets("synthetic", "bytes", seq_len=64, seed=3)
     again, _, _ = make_datasets("synthetic", "bytes", seq_len=64, seed=3)
     assert held_out.num_windows >= 1
@@ -124,7 +115,7 @@ def test_unknown_dataset_and_split_are_one_line_value_errors(monkeypatch):
     message = one_line(excinfo)
     assert "cannot be reached offline" in message and "--dataset stdlib" in message
     with pytest.raises(ValueError) as excinfo:
-        load_source("stdlib", "validation")
+        open_source("stdlib", "validation")
     assert "unknown split 'validation'" in one_line(excinfo)
 
 
@@ -134,28 +125,23 @@ def test_unknown_dataset_and_split_are_one_line_value_errors(monkeypatch):
 
 def test_documents_are_separated_by_eos():
     tok = ByteTokenizer()
-    stream = build_token_stream(ListSource(("ab", "é", "")), tok)
+    stream = token_stream(list_corpus("ab", "é", ""), tok)
     assert stream.dtype == np.uint16
     expected = [97, 98, tok.eos_id, 0xC3, 0xA9, tok.eos_id, tok.eos_id]
     assert stream.tolist() == expected
-    cached = token_stream(ListSource(("ab", "é", "")), tok)
-    assert cached is token_stream(ListSource(("ab", "é", "")), tok) and not cached.flags.writeable
+    with pytest.raises(ValueError, match="is empty"):
+        token_stream(list_corpus(), tok)
 
 
-def test_stdlib_stream_windows_and_cache():
-    train, held_out, tok = make_datasets("stdlib", "bytes", seq_len=128, seed=0)
-    assert train.num_tokens > 1_000_000 and held_out.num_windows >= 1
+def test_stdlib_stream_windows():
+    train, held, tok = make_datasets("stdlib", "bytes", seq_len=128, seed=0)
+    assert train.num_tokens > 1_000_000 and held.num_windows >= 1
     assert train.num_windows == train.num_tokens // 129
-    stream = token_stream(load_source("stdlib", "train"), tok)
-    assert stream.dtype == np.uint16 and stream[-1] == tok.eos_id
+    stream = token_stream(open_source("stdlib", "train"), tok)
+    assert stream.dtype == np.uint16 and stream[-1] == tok.eos_id and stream.size == train.num_tokens
     # One EOS per file (the sources contain no id 257 themselves).
-    assert int((stream == tok.eos_id).sum()) == len(load_source("stdlib", "train").files())
-    # Cached: a second build reuses the stream (train and eval of the same run, or a later run).
-    start = time.perf_counter()
-    again, _, _ = make_datasets("stdlib", "bytes", seq_len=256, seed=1)
-    assert time.perf_counter() - start < 0.5
-    assert token_stream(load_source("stdlib", "train"), tok) is stream
-    for ds in (train, held_out, again):
+    assert int((stream == tok.eos_id).sum()) == len(stdlib.split_files(sysconfig.get_paths()["stdlib"])[0])
+    for ds in (train, held):
         batch = ds.batch_at(3, global_batch=4)
         assert batch.shape == (4, ds.seq_len + 1) and batch.dtype == np.int32
         assert batch.min() >= 0 and batch.max() < tok.vocab_size
@@ -174,10 +160,9 @@ def test_batches_are_deterministic_in_seed_and_step():
     batch = first.batch_at(0, global_batch=8)
     for row, w in zip(batch, first.window_indices(0, global_batch=8), strict=True):
         np.testing.assert_array_equal(row, tokens[w * 16 : (w + 1) * 16])
-    # Rebuilding from scratch (cache cleared) gives the same batches.
+    # Rebuilding from scratch gives the same batches.
     a, _, _ = make_datasets("synthetic", "bytes", seq_len=32, seed=0)
-    clear_cache()
-    b, _, _ = make_datasets("synthetic", "bytes", seq_len=32, seed=0)
+    b, _, _ = make_datasets("synthetic", "bytes", seq_len=32, seed=0, num_workers=2)
     np.testing.assert_array_equal(a.batch_at(9, global_batch=6), b.batch_at(9, global_batch=6))
 
 
@@ -226,7 +211,7 @@ def test_batching_validation_errors():
     with pytest.raises(ValueError, match="corpus too small / empty"):
         make_datasets("synthetic", "bytes", seq_len=1_000_000, seed=0)
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 259\)"):
-        PackedDataset(np.full(20, 300, dtype=np.uint16), 9, vocab_size=259)
+        PackedDataset(np.full(20, 300, dtype=np.uint16), 9, vocab_size=259).batch_at(0, global_batch=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -247,9 +232,9 @@ def test_prefetcher_preserves_order_and_stays_bounded():
         # At most buffer_size queued plus one being put: never runs far ahead of the consumer.
         assert max(calls) <= 7 + 2 + 1
         assert next(pf) == (8, 64)
-    assert not pf.alive
+    assert pf.closed
     sync = Prefetcher(fn, start_step=0, buffer_size=0)
-    assert [sync.next() for _ in range(3)] == [(0, 0), (1, 1), (2, 4)] and not sync.alive
+    assert [sync.next() for _ in range(3)] == [(0, 0), (1, 1), (2, 4)] and sync.pool is None
 
 
 @pytest.mark.parametrize("buffer_size", [0, 2])
@@ -279,16 +264,20 @@ def test_prefetcher_close_stops_thread_promptly():
     assert pf.next() == (0, 0)
     start = time.perf_counter()
     pf.close()
-    assert time.perf_counter() - start < 1.0 and not pf.alive
+    assert time.perf_counter() - start < 1.0
     with pytest.raises(RuntimeError, match="closed"):
         pf.next()
     pf.close()  # idempotent
 
 
 def test_dropped_prefetcher_stops_its_thread():
+    def prefetch_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("nash_mhc-prefetch")]
+
+    before = set(prefetch_threads())
     pf = Prefetcher(lambda step: step, start_step=0, buffer_size=1)
-    thread = pf._thread
-    assert thread is not None and thread.is_alive()
+    assert pf.next() == (0, 0)
+    (thread,) = set(prefetch_threads()) - before
     del pf
     thread.join(2.0)
     assert not thread.is_alive()

@@ -17,21 +17,19 @@ import pytest
 
 from nash_mhc.data import (
     ByteTokenizer,
-    DiskDatasetSource,
-    FileSource,
+    Corpus,
     HFTokenizer,
-    HubSource,
     PackedDataset,
-    ShardedDataset,
-    build_token_stream,
+    encode,
     get_tokenizer,
-    load_source,
+    hub,
     make_datasets,
-    pipeline,
+    open_source,
     prepare,
-    shards,
-    sources,
+    prepared,
+    token_stream,
 )
+from nash_mhc.data.sources import files
 
 SEQ = 32
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "quickly", "slowly", "big", "small",
@@ -80,8 +78,7 @@ def corpus(tmp_path_factory) -> dict[str, Path]:
                          ).save_to_disk(str(root / "saved_dict"))
     datasets.Dataset.from_dict({"text": docs, "n": list(range(len(docs)))}).save_to_disk(str(root / "saved"))
     code = prepare.main(["--dataset", str(root / "corpus.jsonl"), "--tokenizer", str(root / "tokenizer.json"),
-                         "--out", str(root / "shards"), "--shard-tokens", "3000", "--num-workers", "2",
-                         "--no-progress"])
+                         "--out", str(root / "shards"), "--num-workers", "2", "--no-progress"])
     assert code == 0
     return {"root": root, "tokenizer": root / "tokenizer.json", "jsonl": root / "corpus.jsonl",
             "parquet": root / "corpus.parquet", "saved_dict": root / "saved_dict", "saved": root / "saved",
@@ -98,7 +95,8 @@ def test_hf_tokenizer_from_file_and_directory(corpus):
     assert isinstance(tok, HFTokenizer) and tok.base_vocab_size == base > 300
     assert tok.eos_id == tok.backend.token_to_id("<|endoftext|>")
     assert tok.pad_id == base and tok.vocab_size == base + 1 and tok.pad_id != tok.eos_id  # PAD appended
-    assert tok.fingerprint.startswith("sha256:") and get_tokenizer(str(corpus["tokenizer"])) is tok
+    assert tok.fingerprint.startswith("sha256:")
+    assert get_tokenizer(str(corpus["tokenizer"])).fingerprint == tok.fingerprint
     text = "The cat sat on the mat. Bird sings!"
     ids = tok.encode(text)
     assert ids.dtype == np.int32 and ids.ndim == 1 and ids.max() < tok.vocab_size
@@ -126,9 +124,9 @@ def all_docs(source_train, source_eval) -> tuple[list[str], list[str]]:
 def test_local_files_split_deterministically_into_train_and_eval(corpus):
     docs = corpus["docs"]
     for path, field in ((corpus["jsonl"], "text"), (corpus["parquet"], "content")):
-        train, held_out = all_docs(load_source(str(path), "train", text_field=field),
-                                   load_source(str(path), "eval", seed=5, text_field=field))
-        assert isinstance(load_source(str(path), "train", text_field=field), FileSource)
+        train, held_out = all_docs(open_source(str(path), "train", text_field=field),
+                                   open_source(str(path), "eval", seed=5, text_field=field))
+        assert isinstance(open_source(str(path), "train", text_field=field), Corpus)
         assert 1 <= len(held_out) < 0.05 * len(docs) and len(train) + len(held_out) == len(docs)
         assert sorted(train + held_out) == sorted(docs)
         assert [d for d in docs if d not in set(held_out)] == train  # file order kept
@@ -141,37 +139,35 @@ def test_local_files_split_deterministically_into_train_and_eval(corpus):
     (directory / "sub" / "b.json").write_text(json.dumps([{"text": "json one"}, {"text": "json two"}]))
     (directory / "sub" / "c.jsonl").write_text('{"text": "line one"}\n\n{"text": "line two"}\n')
     (directory / "notes.md").write_text("ignored: not a supported suffix")
-    source = load_source(str(directory), "train")
-    assert source.files() == ["a.txt", "sub/b.json", "sub/c.jsonl"]
-    train, held_out = all_docs(source, load_source(str(directory), "eval"))
+    assert [rel for rel, _ in files.local_files(directory)] == ["a.txt", "sub/b.json", "sub/c.jsonl"]
+    train, held_out = all_docs(open_source(str(directory), "train"), open_source(str(directory), "eval"))
     assert len(held_out) >= 1 and sorted(train + held_out) == sorted(
         ["first text file\nline two\n", "json one", "json two", "line one", "line two"])
-    assert list(source.document_bytes()) == [d.encode() for d in train]
 
 
 def test_single_text_file_is_cut_at_a_line_break(tmp_path):
     text = "".join(f"line {i} of a single long document\n" for i in range(400))
     (tmp_path / "book.txt").write_text(text)
-    train, held_out = all_docs(load_source(str(tmp_path / "book.txt"), "train"),
-                               load_source(str(tmp_path / "book.txt"), "eval"))
+    train, held_out = all_docs(open_source(str(tmp_path / "book.txt"), "train"),
+                               open_source(str(tmp_path / "book.txt"), "eval"))
     assert len(train) == len(held_out) == 1 and train[0] + held_out[0] == text
     assert train[0].endswith("\n") and 0 < len(held_out[0]) < 0.03 * len(text)
 
 
 def test_saved_datasets_use_their_validation_split_or_a_hash_split(corpus):
     docs = corpus["docs"]
-    source = load_source(str(corpus["saved_dict"]), "train")
-    assert isinstance(source, DiskDatasetSource)
-    train, held_out = all_docs(source, load_source(str(corpus["saved_dict"]), "eval"))
+    source = open_source(str(corpus["saved_dict"]), "train")
+    assert isinstance(source, Corpus)
+    train, held_out = all_docs(source, open_source(str(corpus["saved_dict"]), "eval"))
     assert train == docs[:450] and held_out == docs[450:]
-    train, held_out = all_docs(load_source(str(corpus["saved"]), "train"), load_source(str(corpus["saved"]), "eval"))
+    train, held_out = all_docs(open_source(str(corpus["saved"]), "train"), open_source(str(corpus["saved"]), "eval"))
     assert 1 <= len(held_out) < 0.05 * len(docs) and sorted(train + held_out) == sorted(docs)
     # --split picks another split of a DatasetDict; unknown splits are listed.
-    train, held_out = all_docs(load_source(str(corpus["saved_dict"]), "train", dataset_split="validation"),
-                               load_source(str(corpus["saved_dict"]), "eval", dataset_split="validation"))
+    train, held_out = all_docs(open_source(str(corpus["saved_dict"]), "train", dataset_split="validation"),
+                               open_source(str(corpus["saved_dict"]), "eval", dataset_split="validation"))
     assert held_out and sorted(train + held_out) == sorted(docs[450:])  # no other eval split: a hash split
     with pytest.raises(ValueError) as excinfo:
-        load_source(str(corpus["saved_dict"]), "train", dataset_split="test")
+        open_source(str(corpus["saved_dict"]), "train", dataset_split="test")
     assert "no split 'test'; splits: train, validation" in one_line(excinfo)
 
 
@@ -190,24 +186,21 @@ def test_hub_source_streams_a_bounded_prefix_and_holds_out_its_head(monkeypatch)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     monkeypatch.setattr(datasets, "get_dataset_split_names", lambda repo, name=None, **kw: ["train"])
-    sources._LOADED.clear()
-    monkeypatch.setattr(sources.hub, "hub_reachable", lambda timeout=3.0: True)
-    streamed = load_source("org/corpus", "train", dataset_name="cfg", max_stream_tokens=5_000)
-    assert isinstance(streamed, HubSource) and streamed.max_tokens == 5_000
-    assert list(load_source("org/corpus", "eval", dataset_name="cfg").documents()) == docs[:200]
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: True)
+    streamed = open_source("org/corpus", "train", dataset_name="cfg", max_stream_tokens=5_000)
+    assert isinstance(streamed, Corpus) and streamed.max_tokens == 5_000
+    assert list(open_source("org/corpus", "eval", dataset_name="cfg").documents()) == docs[:200]
     assert list(streamed.documents()) == docs[200:]
-    stream = build_token_stream(streamed, ByteTokenizer())
+    stream = token_stream(streamed, ByteTokenizer())
     assert stream.size == 5_000 and calls[-1] == ("org/corpus", "cfg", "train", True)
     expected = np.frombuffer("".join(d + "\x00" for d in docs[200:]).encode(), np.uint8).astype(np.uint16)[:5_000]
     expected = np.where(expected == 0, ByteTokenizer.eos_id, expected)
     np.testing.assert_array_equal(stream, expected)
     # Offline: the same documents from the local cache (here: the stub), never the network.
-    sources._LOADED.clear()
-    monkeypatch.setattr(sources.hub, "hub_reachable", lambda timeout=3.0: False)
-    offline = load_source("org/corpus", "train", dataset_name="cfg", max_stream_tokens=5_000)
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: False)
+    offline = open_source("org/corpus", "train", dataset_name="cfg", max_stream_tokens=5_000)
     assert calls[-1][3] is False
-    np.testing.assert_array_equal(build_token_stream(offline, ByteTokenizer()), stream)
-    sources._LOADED.clear()
+    np.testing.assert_array_equal(token_stream(offline, ByteTokenizer()), stream)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,73 +209,52 @@ def test_hub_source_streams_a_bounded_prefix_and_holds_out_its_head(monkeypatch)
 
 def test_stream_does_not_depend_on_workers_or_chunking(corpus, monkeypatch):
     tok = get_tokenizer(str(corpus["tokenizer"]))
-    source = load_source(str(corpus["jsonl"]), "train")
-    reference = build_token_stream(source, tok, num_workers=1)
+    source = open_source(str(corpus["jsonl"]), "train")
+    reference = token_stream(source, tok, num_workers=1)
     assert reference.dtype == np.uint16 and int((reference == tok.eos_id).sum()) == len(list(source.documents()))
-    monkeypatch.setattr(pipeline, "CHUNK_CHARS", 3_000)
-    np.testing.assert_array_equal(build_token_stream(source, tok, num_workers=3), reference)
+    monkeypatch.setattr(encode, "CHUNK_CHARS", 3_000)
+    np.testing.assert_array_equal(token_stream(source, tok, num_workers=3), reference)
     # Long documents are tokenised in pieces cut after a line break; EOS only after the last piece.
-    monkeypatch.setattr(pipeline, "PIECE_CHARS", 100)
+    monkeypatch.setattr(encode, "PIECE_CHARS", 100)
     long_doc = "".join(f"row {i} of the table\n" for i in range(50))
-    assert all(len(p) <= 100 for p in pipeline._pieces(long_doc)) and "".join(pipeline._pieces(long_doc)) == long_doc
-    bytes_stream = build_token_stream(_ListSource((long_doc,)), ByteTokenizer(), num_workers=2)
+    assert all(len(p) <= 100 for p in encode.pieces(long_doc)) and "".join(encode.pieces(long_doc)) == long_doc
+    bytes_stream = token_stream(Corpus("list", "train", lambda: [long_doc]), ByteTokenizer(), num_workers=2)
     assert bytes_stream.tolist() == list(long_doc.encode()) + [ByteTokenizer.eos_id]
-
-
-class _ListSource:
-    def __init__(self, docs: tuple[str, ...]) -> None:
-        self.docs, self.name, self.split = docs, "list", "train"
-
-    def documents(self):
-        return iter(self.docs)
 
 
 def test_prepared_shards_index_and_identical_batches(corpus):
     tok = get_tokenizer(str(corpus["tokenizer"]))
     index = json.loads((corpus["shards"] / "index.json").read_text())
-    assert index["format"] == "nash_mhc-shards" and index["dtype"] == "uint16" and index["shard_tokens"] == 3000
+    assert (index["format"], index["version"], index["dtype"]) == ("nash_mhc-shards", 2, "uint16")
     assert index["tokenizer"]["fingerprint"] == tok.fingerprint and index["tokenizer"]["vocab_size"] == tok.vocab_size
     train_entry = index["splits"]["train"]
-    assert [s["num_tokens"] for s in train_entry["shards"][:-1]] == [3000] * (len(train_entry["shards"]) - 1)
-    assert sum(s["num_tokens"] for s in train_entry["shards"]) == train_entry["num_tokens"]
-    for s in train_entry["shards"]:
-        assert (corpus["shards"] / s["file"]).stat().st_size == 2 * s["num_tokens"]
+    assert train_entry["file"] == "train.bin"
+    assert (corpus["shards"] / "train.bin").stat().st_size == 2 * train_entry["num_tokens"]
     assert train_entry["num_documents"] + index["splits"]["eval"]["num_documents"] == len(corpus["docs"])
     assert train_entry["max_token_id"] < tok.vocab_size
 
-    prepared, prepared_eval, _ = make_datasets(str(corpus["shards"]), str(corpus["tokenizer"]), SEQ, 3)
+    shards, shards_eval, _ = make_datasets(str(corpus["shards"]), str(corpus["tokenizer"]), SEQ, 3)
     fly, fly_eval, _ = make_datasets(str(corpus["jsonl"]), str(corpus["tokenizer"]), SEQ, 3, num_workers=2)
-    assert isinstance(prepared, ShardedDataset) and type(fly) is PackedDataset
-    assert (prepared.num_tokens, prepared.num_windows) == (fly.num_tokens, fly.num_windows)
+    assert isinstance(shards.windows, np.memmap) and not isinstance(fly.windows, np.memmap)  # read lazily
+    assert (shards.num_tokens, shards.num_windows) == (fly.num_tokens, fly.num_windows)
     for step in (0, 1, 7, 40, 500):  # 500 is several epochs in
-        np.testing.assert_array_equal(prepared.batch_at(step, global_batch=8), fly.batch_at(step, global_batch=8))
-        np.testing.assert_array_equal(prepared_eval.batch_at(step, global_batch=2),
+        np.testing.assert_array_equal(shards.batch_at(step, global_batch=8), fly.batch_at(step, global_batch=8))
+        np.testing.assert_array_equal(shards_eval.batch_at(step, global_batch=2),
                                       fly_eval.batch_at(step, global_batch=2))
-    # Random access by memory map: a batch opens only the shards it touches.
-    fresh, _, _ = make_datasets(str(corpus["shards"]), str(corpus["tokenizer"]), SEQ, 3)
-    fresh.batch_at(0, global_batch=1)
-    opened = [m for m in fresh._maps if m is not None]
-    assert 1 <= len(opened) <= 2 < len(fresh._maps) and all(isinstance(m, np.memmap) for m in opened)
 
 
-def test_resume_mid_shard_is_bit_identical(corpus):
+def test_resume_is_bit_identical(corpus):
     uninterrupted, _, _ = make_datasets(str(corpus["shards"]), str(corpus["tokenizer"]), SEQ, 11)
     reference = [b for _, b in itertools.islice(uninterrupted.batches(0, global_batch=8), 60)]
-    window = SEQ + 1
-    starts = uninterrupted.window_indices(23, global_batch=8) * window
-    assert any(s % 3000 and s // 3000 == (s + window - 1) // 3000 for s in starts)  # step 23 is mid-shard
     # A new process: nothing but the step carries over.
-    shards_source = load_source(str(corpus["shards"]), "train")
-    resumed = shards_source.packed_dataset(get_tokenizer(str(corpus["tokenizer"])), SEQ, seed=11)
+    split = open_source(str(corpus["shards"]), "train")
+    resumed = split.windows(get_tokenizer(str(corpus["tokenizer"])), SEQ, seed=11)
     for step, batch in itertools.islice(resumed.batches(23, global_batch=8), 60 - 23):
         np.testing.assert_array_equal(batch, reference[step])
-    # Windows that straddle two shard files are read whole.
-    straddling = [w for w in range(uninterrupted.num_windows) if (w * window) // 3000 != ((w + 1) * window - 1) // 3000]
-    assert straddling
-    stream = np.concatenate([np.fromfile(corpus["shards"] / s["file"], np.uint16) for s in
-                             json.loads((corpus["shards"] / "index.json").read_text())["splits"]["train"]["shards"]])
-    np.testing.assert_array_equal(resumed.read_windows(np.array(straddling)),
-                                  stream[: uninterrupted.num_windows * window].reshape(-1, window)[straddling])
+    # Rows are the stream's consecutive windows of SEQ + 1 tokens.
+    stream = np.fromfile(corpus["shards"] / "train.bin", np.uint16)
+    rows = resumed.window_indices(23, global_batch=8)
+    np.testing.assert_array_equal(reference[23], stream[: resumed.num_windows * (SEQ + 1)].reshape(-1, SEQ + 1)[rows])
 
 
 @pytest.mark.parametrize("kind", ["shards", "jsonl"])
@@ -297,16 +269,25 @@ def test_two_hosts_get_disjoint_rows_that_cover_the_global_batch(corpus, kind):
 
 
 def test_uint32_shards_for_large_vocabularies(tmp_path):
-    assert pipeline.stream_dtype(65_536) == np.uint16 and pipeline.stream_dtype(65_537) == np.uint32
-    writer = shards.ShardWriter(tmp_path, "train", np.dtype(np.uint32), 7)
+    from nash_mhc.data.windows import stream_dtype
+
+    assert stream_dtype(65_536) == np.uint16 and stream_dtype(65_537) == np.uint32
     ids = np.arange(70_000, 70_050, dtype=np.int64)
-    writer.write(ids[:20], 1)
-    writer.write(ids[20:], 1)
-    entry = writer.close()
-    assert [s["num_tokens"] for s in entry["shards"]] == [7] * 7 + [1] and entry["max_token_id"] == 70_049
-    data = ShardedDataset([tmp_path / s["file"] for s in entry["shards"]], [s["num_tokens"] for s in entry["shards"]],
-                          np.dtype(np.uint32), 4, vocab_size=80_000, shuffle=False)
+    entry = prepared.write_part(tmp_path, "train", [(ids[:20], 1), (ids[20:], 1)], np.dtype(np.uint32))
+    assert entry == {"file": "train.bin", "num_tokens": 50, "num_documents": 2, "max_token_id": 70_049}
+    data = PackedDataset(np.memmap(tmp_path / "train.bin", np.uint32, mode="r"), 4, vocab_size=80_000, shuffle=False)
     np.testing.assert_array_equal(data.batch_at(1, global_batch=3), ids[15:30].reshape(3, 5))
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def bad_shards(directory: Path, ids: list[int], max_token_id: int) -> Path:
+    """Prepared shards (byte tokenizer) whose train and eval parts hold ``ids``; the index claims ``max_token_id``."""
+    directory.mkdir()
+    np.array(ids, np.uint16).tofile(directory / "train.bin")
+    entry = {"file": "train.bin", "num_tokens": len(ids), "num_documents": 1, "max_token_id": max_token_id}
+    prepared.write_index(directory, {"dtype": "uint16", "tokenizer": prepared.tokenizer_record(ByteTokenizer()),
+                                     "splits": {"train": entry, "eval": entry}})
+    return directory
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -316,7 +297,6 @@ def test_uint32_shards_for_large_vocabularies(tmp_path):
 @pytest.fixture
 def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    sources._LOADED.clear()
 
 
 def test_hub_ids_offline_name_the_alternatives(offline):
@@ -340,22 +320,22 @@ def test_missing_paths(tmp_path):
     assert "tokenizer path" in one_line(excinfo) and "does not exist" in str(excinfo.value)
     (tmp_path / "notes.md").write_text("x")
     with pytest.raises(ValueError, match="no .txt, .jsonl, .json, .parquet files"):
-        load_source(str(tmp_path), "train")
+        open_source(str(tmp_path), "train")
 
 
 def test_missing_text_field_lists_the_fields(corpus, tmp_path):
     for path in (corpus["jsonl"], corpus["parquet"]):
         with pytest.raises(ValueError) as excinfo:
-            load_source(str(path), "train", text_field="body")
+            open_source(str(path), "train", text_field="body")
         message = one_line(excinfo)
         assert "text field 'body' not found" in message and "--text-field" in message
         assert ("fields: id, text" if path.suffix == ".jsonl" else "fields: content, n") in message
     with pytest.raises(ValueError) as excinfo:
-        load_source(str(corpus["saved"]), "train", text_field="body")
+        open_source(str(corpus["saved"]), "train", text_field="body")
     assert "text field 'body' not found" in one_line(excinfo) and "fields: text, n" in str(excinfo.value)
     (tmp_path / "mixed.jsonl").write_text('{"text": "ok"}\n{"title": "no text here"}\n')
     with pytest.raises(ValueError) as excinfo:
-        list(load_source(str(tmp_path / "mixed.jsonl"), "train").documents())
+        list(open_source(str(tmp_path / "mixed.jsonl"), "train").documents())
     assert "record 2" in one_line(excinfo) and "fields: title" in str(excinfo.value)
 
 
@@ -365,27 +345,16 @@ def test_token_ids_outside_the_vocabulary(corpus, tmp_path):
         vocab_size = 100
 
     with pytest.raises(ValueError) as excinfo:
-        build_token_stream(load_source(str(corpus["jsonl"]), "train"), SmallVocab())
+        token_stream(open_source(str(corpus["jsonl"]), "train"), SmallVocab())
     assert "token id " in one_line(excinfo) and ">= vocab size 100" in str(excinfo.value)
     # Shards whose index records an id the tokenizer does not have.
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    np.array([1, 2, 300, 257] * 40, np.uint16).tofile(bad / "train-00000.bin")
-    np.array([1, 257] * 40, np.uint16).tofile(bad / "eval-00000.bin")
-    index = {"format": "nash_mhc-shards", "version": 1, "dtype": "uint16", "shard_tokens": 1000,
-             "tokenizer": shards.tokenizer_record(ByteTokenizer()),
-             "splits": {"train": {"num_tokens": 160, "num_documents": 40, "max_token_id": 300,
-                                  "shards": [{"file": "train-00000.bin", "num_tokens": 160}]},
-                        "eval": {"num_tokens": 80, "num_documents": 40, "max_token_id": 257,
-                                 "shards": [{"file": "eval-00000.bin", "num_tokens": 80}]}}}
-    (bad / "index.json").write_text(json.dumps(index))
+    bad = bad_shards(tmp_path / "bad", [1, 2, 300, 257] * 40, 300)
     with pytest.raises(ValueError) as excinfo:
         make_datasets(str(bad), "bytes", 7, 0)
     assert "token id 300 >= vocab size 259" in one_line(excinfo)
     # An index that hides it: caught when the batch is read.
-    index["splits"]["train"]["max_token_id"] = 257
-    (bad / "index.json").write_text(json.dumps(index))
-    train, _, _ = make_datasets(str(bad), "bytes", 7, 0)
+    hidden = bad_shards(tmp_path / "hidden", [1, 2, 300, 257] * 40, 257)
+    train, _, _ = make_datasets(str(hidden), "bytes", 7, 0)
     with pytest.raises(ValueError, match="token id 300 >= vocab size 259"):
         train.batch_at(0, global_batch=20)
 
@@ -468,15 +437,15 @@ def test_training_from_jsonl_parquet_saved_dataset_and_shards(corpus, trained):
         assert all(np.isfinite(v) for v in curve.values()), name
         config = json.loads((run_dir / "config.json").read_text())
         assert config["model_config"]["vocab_size"] == get_tokenizer(tok).vocab_size
-        assert config["run_config"]["tokenizer"] == tok
+        assert config["data_config"]["tokenizer"] == tok
     jsonl = losses(trained["jsonl"])
     assert losses(trained["shards"]) == {1: jsonl[1], 2: jsonl[2]}  # the same batches, prepared or not
     lines = [json.loads(x) for x in (trained["saved"] / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_loss" in r for r in lines)
 
 
-def test_training_resumes_mid_shard_exactly(corpus, train_main, trained):
-    """Shards stopped at step 2 (mid-shard) and resumed to 4 match 4 uninterrupted steps (of the same stream)."""
+def test_training_resumes_from_shards_exactly(corpus, train_main, trained):
+    """Shards stopped at step 2 and resumed to 4 match 4 uninterrupted steps (of the same stream)."""
     code = train_main("--dataset", str(corpus["shards"]), "--tokenizer", str(corpus["tokenizer"]),
                       "--lr-schedule-steps", "4", "--total-steps", "4", "--checkpoint-dir", str(trained["shards"]))
     assert code == 0
@@ -487,14 +456,7 @@ def test_training_resumes_mid_shard_exactly(corpus, train_main, trained):
 def test_training_errors_exit_2_with_one_line_and_lose_nothing(corpus, train_main, tmp_path, capsys, offline,
                                                                case):
     tok = str(corpus["tokenizer"])
-    bad_ids = tmp_path / "bad_ids"
-    bad_ids.mkdir()
-    np.array([1, 300, 257] * 100, np.uint16).tofile(bad_ids / "train-00000.bin")
-    index = {"format": "nash_mhc-shards", "version": 1, "dtype": "uint16", "shard_tokens": 300,
-             "tokenizer": shards.tokenizer_record(ByteTokenizer()),
-             "splits": {s: {"num_tokens": 300, "num_documents": 100, "max_token_id": 300,
-                            "shards": [{"file": "train-00000.bin", "num_tokens": 300}]} for s in ("train", "eval")}}
-    (bad_ids / "index.json").write_text(json.dumps(index))
+    bad_ids = bad_shards(tmp_path / "bad_ids", [1, 300, 257] * 100, 300)
     (tmp_path / "empty.jsonl").write_text("")
     argv, expected = {
         "hub": (["--dataset", "HuggingFaceTB/smollm-corpus", "--dataset-name", "cosmopedia-v2"],
@@ -517,7 +479,7 @@ def test_training_errors_exit_2_with_one_line_and_lose_nothing(corpus, train_mai
 
 
 def test_dataset_name_and_split_only_where_they_mean_something(corpus, train_main, tmp_path, capsys):
-    for argv, expected in ((["--dataset", "stdlib", "--split", "validation"], "offline corpora"),
+    for argv, expected in ((["--dataset", "stdlib", "--split", "validation"], "has no named splits"),
                            (["--dataset", str(corpus["jsonl"]), "--dataset-name", "x"], "--dataset-name only"),
                            (["--dataset", str(corpus["shards"]), "--split", "test"], "has no named splits")):
         assert train_main(*argv, "--checkpoint-dir", str(tmp_path / "run")) == 2

@@ -122,10 +122,9 @@ def test_every_pip_extra_named_in_the_docs_exists():
 @pytest.mark.parametrize("command", [c for c, _, _ in commands_of("nash_mhc.train")], ids=lambda c: c[-60:])
 def test_training_commands_in_the_docs_parse(command):
     _, words = program_words(command)
-    args = train.parse_args(words[3:])
-    _, train_config, run = train.configs_from_args(args)
-    if run.mesh_data > 0 and run.mesh_fsdp > 0:
-        assert train_config.microbatch_size % (run.mesh_data * run.mesh_fsdp) == 0, command
+    configs, _ = train.configs(words[3:])
+    if configs.mesh.data > 0 and configs.mesh.fsdp > 0:
+        assert configs.train.microbatch_size % (configs.mesh.data * configs.mesh.fsdp) == 0, command
 
 
 def test_launcher_commands_in_the_docs_run(capsys, tmp_path, monkeypatch):
@@ -140,7 +139,7 @@ def test_launcher_commands_in_the_docs_run(capsys, tmp_path, monkeypatch):
             printed = capsys.readouterr().out
             assert printed.splitlines()[-1].startswith("gcloud compute tpus tpu-vm "), command
             if args[0] == "run":  # the training flags after -- are valid too
-                train.configs_from_args(train.parse_args(args[args.index("--") + 1:]))
+                train.configs(args[args.index("--") + 1:])
     processes = [(command, shell(command, tmp_path)) for command in dry]
     for command, process in processes:
         output = process.communicate(timeout=120)[0]

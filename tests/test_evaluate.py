@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nash_mhc.data import ByteTokenizer
+from nash_mhc.data import ByteTokenizer, HFTokenizer, count_bytes
 from nash_mhc.evaluate import main as evaluate_main
-from nash_mhc.inference import count_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 80
@@ -129,8 +128,8 @@ def test_bytes_are_counted_independently_of_the_tokenizer():
     ids = np.array([[ord("a"), 0xC3, 0xA9, tokenizer.eos_id], [tokenizer.bos_id, 32, 33, tokenizer.pad_id]])
     assert count_bytes(tokenizer, ids) == 5
 
-    class WordTokenizer:  # a tokenizer without byte-level ids: bytes come from the decoded text
-        def decode(self, row):
-            return " ".join(["héllo"] * len(row))
+    from tokenizers import Tokenizer, models
 
-    assert count_bytes(WordTokenizer(), np.zeros((2, 3), np.int32)) == 2 * len("héllo héllo héllo".encode())
+    # A word-level tokenizer (no byte-level ids): bytes come from the decoded text, "héllo héllo héllo" per row.
+    words = HFTokenizer(Tokenizer(models.WordLevel({"héllo": 0, "[UNK]": 1}, unk_token="[UNK]")), name="words")
+    assert count_bytes(words, np.zeros((2, 3), np.int32)) == 2 * len("héllo héllo héllo".encode())

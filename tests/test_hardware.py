@@ -78,3 +78,11 @@ def test_fallback_to_cpu_is_reported():
     lines = result.stdout.splitlines()
     assert lines[0] == "devices: 1 x cpu (cpu), 1 process(es)"
     assert lines[-1].startswith("WARNING: JAX_PLATFORMS asks for cuda but JAX fell back to the CPU")
+
+
+def test_initialize_distributed_needs_the_whole_process_layout():
+    """jax.distributed set-up lives here (not in the training loop): nothing to do without variables, a one-line
+    ValueError when only the coordinator is given (before any connection is tried)."""
+    hardware.initialize_distributed({})  # a single process: no-op
+    with pytest.raises(ValueError, match="also set JAX_PROCESS_COUNT and JAX_PROCESS_INDEX"):
+        hardware.initialize_distributed({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_PROCESS_COUNT": "2"})

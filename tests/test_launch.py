@@ -87,7 +87,7 @@ def test_deployed_archive_of_this_repository_is_code_only(capsys, tmp_path):
 
 
 def test_archive_excludes_data_checkpoints_runs_and_environments(tmp_path):
-    files = ["pyproject.toml", "README.md", "nash_mhc/__init__.py", "nash_mhc/data/pipeline.py", "docs/tpu.md",
+    files = ["pyproject.toml", "README.md", "nash_mhc/__init__.py", "nash_mhc/data/windows.py", "docs/tpu.md",
              "examples/quickstart.py",
              # never shipped:
              "data/corpus.txt", "runs/r1/metrics.jsonl", "checkpoints/1/state", "nash_mhc/runs/x.json",
@@ -99,7 +99,7 @@ def test_archive_excludes_data_checkpoints_runs_and_environments(tmp_path):
     (tmp_path / "docs" / "big.txt").write_bytes(b"0" * (launch.ARCHIVE_MAX_FILE_BYTES + 1))
     members = launch.build_archive(tmp_path / "out.tar.gz", root=tmp_path)
     assert members == sorted(["README.md", "docs/tpu.md", "examples/quickstart.py", "nash_mhc/__init__.py",
-                              "nash_mhc/data/pipeline.py", "pyproject.toml"])
+                              "nash_mhc/data/windows.py", "pyproject.toml"])
     with tarfile.open(tmp_path / "out.tar.gz") as tar:
         assert sorted(tar.getnames()) == members
 

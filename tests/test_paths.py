@@ -275,11 +275,14 @@ def test_prepare_puts_config_logs_and_checkpoints_in_the_bucket(fake_gcs):
     """The training program's set-up with --checkpoint-dir gs://...: config.json and the run logger go through
     the path layer, the checkpointer is opened there (resuming from it is the round trip above)."""
     from nash_mhc.config import ModelConfig
-    from nash_mhc.training.config import TrainConfig
-    from nash_mhc.training.loop import RunConfig, prepare
+    from nash_mhc.data import DataConfig
+    from nash_mhc.sharding import MeshConfig
+    from nash_mhc.training.config import RunConfig, TrainConfig
+    from nash_mhc.training.loop import Configs, prepare
 
-    run = RunConfig(dataset="synthetic", checkpoint_dir="gs://bucket/prepared", progress=False, stop_step=4)
-    session = prepare(ModelConfig.preset("tiny"), TrainConfig(batch_size=8, total_steps=4, warmup_steps=1), run)
+    run = RunConfig(checkpoint_dir="gs://bucket/prepared", progress=False)
+    session = prepare(Configs(ModelConfig.preset("tiny"), TrainConfig(batch_size=8, total_steps=4, warmup_steps=1),
+                              DataConfig(dataset="synthetic"), MeshConfig(), run))
     assert "fresh start" in session.summary
     assert any(line.startswith("layout: process 0 of 1") for line in session.summary)
     assert os.fspath(session.checkpointer.directory) == "gs://bucket/prepared"

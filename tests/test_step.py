@@ -204,7 +204,7 @@ def test_eval_step_matches_dense_reference(runs):
     """eval_step on the (2,2,2) model equals a plain vmap + optax cross-entropy on the same parameters."""
     batch = runs[(2, 2, 2)]["batches"][0]
     model = runs[(2, 2, 2)]["state"].model
-    metrics = eval_step(model, batch)  # mesh taken from the parameters
+    metrics = eval_step(model, batch)  # no mesh given, none ambient: every device along data
     out = eqx.filter_jit(lambda m, t: jax.vmap(m)(t))(model, jnp.asarray(batch.tokens[:, :-1]))
     ce_sum, count = reference_terms(np.asarray(out.logits), batch.tokens[:, 1:], batch.loss_mask)
     assert float(metrics["tokens"]) == count
@@ -342,7 +342,8 @@ def test_train_config_defaults_and_validation():
     assert config.beta2 == 0.95 and config.grad_clip == 1.0 and config.grad_accum_steps == 1
     assert TrainConfig.from_dict(config.to_dict()) == config
     for bad in [dict(batch_size=0), dict(learning_rate=0.0), dict(min_lr_ratio=1.5), dict(beta2=1.0),
-                dict(warmup_steps=20, total_steps=10), dict(batch_size=6, grad_accum_steps=4),
+                dict(warmup_steps=20, total_steps=10), dict(warmup_steps=20, total_steps=40, lr_schedule_steps=10),
+                dict(batch_size=6, grad_accum_steps=4),
                 dict(grad_clip=-1.0), dict(remat="sometimes"), dict(eps=0.0), dict(seed=-1)]:
         with pytest.raises(ValueError, match="TrainConfig"):
             TrainConfig(**bad)

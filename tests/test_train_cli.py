@@ -6,6 +6,9 @@ compilation cache, so most runs after the first skip compilation.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -18,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from nash_mhc import ModelConfig, TrainConfig
+from nash_mhc import train as train_module
 from nash_mhc.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,7 +200,9 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
     (["--seq-len", "30"], "divisible by the coarsest block"),
     (["--batch-size", "4"], "not divisible by data*fsdp = 8"),
     (["--dataset", "HuggingFaceTB/smollm-corpus", "--dataset-name", "cosmopedia-v2"], "offline"),
-    (["--learning-rate", "-1"], "learning_rate must be > 0"),
+    (["--learning-rate", "-1"], "--learning-rate must be > 0"),
+    (["--batch-size", "16", "--total-batch-tokens", "512"], "--total-batch-tokens 512 is not a multiple of"),
+    (["--eval-steps", "0"], "--eval-steps must be a positive integer, got 0"),
 ])
 def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys, argv, message):
     code, err = run_main([*argv, "--checkpoint-dir", str(tmp_path / "run")], capsys)
@@ -228,3 +235,73 @@ def test_corrupt_and_mismatched_checkpoints_exit_2_and_delete_nothing(tmp_path, 
     assert code == 2 and "checkpoint" in err and len(err.strip().splitlines()) == 1
     code, err = run_main(["--resume-from", str(tmp_path / "missing"), "--batch-size", "8"], capsys)
     assert code == 2 and "does not exist" in err
+
+
+# ----------------------------------------------------------------------------------- flags and settings
+def flags(module: str) -> set[str]:
+    parser = importlib.import_module(f"nash_mhc.{module}").build_parser()
+    return {name for action in parser._actions for name in action.option_strings if name.startswith("--")}
+
+
+@pytest.mark.parametrize("module", ["train", "generate", "evaluate"])
+def test_help_lists_every_flag_of_before(module):
+    """tests/cli_flags.json holds the flags of main before the settings refactor (issue 17): none may go."""
+    recorded = set(json.loads((ROOT / "tests" / "cli_flags.json").read_text())[module])
+    assert recorded - flags(module) == set()
+
+
+@pytest.mark.parametrize("module", ["train", "generate", "evaluate", "data.prepare"])
+def test_every_flag_is_one_settings_field_with_its_default_only_there(module):
+    """Each flag is generated from one dataclass field and defaults to "not given" (argparse.SUPPRESS), so
+    the field's declaration is the only place its default is written; no field has two flags."""
+    parser = importlib.import_module(f"nash_mhc.{module}").build_parser()
+    actions = [a for a in parser._actions if a.dest != "help"]
+    assert {a.dest for a in actions} == set(parser.owner)
+    assert all(a.default is argparse.SUPPRESS for a in actions)
+    fields = [(cls, field) for cls, field, _ in parser.owner.values()]
+    assert len(fields) == len(set(fields))
+    for cls, field, _ in parser.owner.values():
+        assert dataclasses.fields(cls)[[f.name for f in dataclasses.fields(cls)].index(field)].metadata["help"]
+
+
+def test_no_flags_gives_the_configs_defaults():
+    from nash_mhc.data import DataConfig
+    from nash_mhc.sharding import MeshConfig
+    from nash_mhc.training.config import RunConfig
+
+    configs, cache = train_module.configs([])
+    assert configs.model == ModelConfig.preset("small") and configs.train == TrainConfig()
+    assert configs.data == DataConfig() and configs.mesh == MeshConfig() and configs.run == RunConfig()
+    assert TrainConfig().lr_schedule_steps == TrainConfig().total_steps == 1000
+    assert TrainConfig().warmup_steps == 100  # 10 % of the schedule
+    assert cache.compile_cache_dir.endswith("xla")
+
+
+def test_config_file_values_sit_under_the_flags(tmp_path):
+    file = tmp_path / "run.json"
+    file.write_text(json.dumps({"batch-size": 16, "no-progress": True, "mesh-tp": 2, "split": "train"}))
+    configs, _ = train_module.configs(["--config", str(file), "--batch-size", "32", "--model", "tiny"])
+    assert configs.train.batch_size == 32 and not configs.run.progress and configs.mesh.tp == 2
+    (tmp_path / "bad.toml").write_text('batch_sise = 3\n')
+    with pytest.raises(SystemExit) as exit_:
+        train_module.configs(["--config", str(tmp_path / "bad.toml")])
+    assert exit_.value.code == 2
+
+
+def test_batch_size_is_the_microbatch_and_accumulation_multiplies_it():
+    """--batch-size is the sequences of one forward/backward pass over all devices (nanoGPT's batch_size, MaxText's
+    per-device batch times the devices); an update is --batch-size x accumulation sequences, the accumulation
+    given (--grad-accum-steps) or derived (--total-batch-tokens / (batch-size x seq-len))."""
+    tiny = ["--model", "tiny"]  # seq-len 64
+
+    def batch(*argv: str) -> tuple[int, int, int]:
+        train = train_module.configs([*tiny, *argv])[0].train
+        return train.batch_size, train.grad_accum_steps, train.microbatch_size
+
+    assert batch() == (8, 1, 8)
+    assert batch("--batch-size", "16", "--grad-accum-steps", "4") == (64, 4, 16)
+    assert batch("--batch-size", "16", "--total-batch-tokens", "4096") == (64, 4, 16)
+    assert batch("--total-batch-tokens", "4096", "--grad-accum-steps", "8") == (64, 8, 8)  # agreeing is fine
+    for argv in (["--total-batch-tokens", "1000"], ["--total-batch-tokens", "4096", "--grad-accum-steps", "2"]):
+        with pytest.raises(ValueError, match="--total-batch-tokens"):
+            train_module.configs([*tiny, *argv])

@@ -1,66 +1,80 @@
-"""Data: tokenizers, document sources, packed deterministic per-host batches, prepared shards, a prefetch thread.
+"""Data: tokenizers, dataset sources, the deterministic (seed, step) → batch map, prepared shards, prefetch.
 
-One-call entry point for the training loop::
+One call gives the training program its data::
 
     train, evaluation, tokenizer = make_datasets("stdlib", "bytes", seq_len=256, seed=0)
     batch = train.batch_at(step, global_batch=32, process_index=p, process_count=P)  # int32 [32 // P, 257]
 
-``dataset`` may also be ``"synthetic"``, a local ``.txt``/``.jsonl``/``.json``/``.parquet`` file or directory, a
-``save_to_disk`` directory, a directory of shards from ``python -m nash_mhc.data.prepare``, or a Hugging Face
-hub id (``make_datasets(..., dataset_name=, split=, text_field=, num_workers=, max_stream_tokens=)``);
-``tokenizer`` is ``"bytes"``, a ``tokenizer.json``, a tokenizer directory or a hub id.
+Modules, lowest first: :mod:`.tokenizers` (and :mod:`.hub`), :mod:`.windows` (token windows and the batch
+map), :mod:`.prepared` (memory-mapped shards), :mod:`.sources` (one module per kind of dataset and the
+registry), :mod:`.encode` (documents → token stream), :mod:`.prefetch`, :mod:`.prepare` (the shards CLI).
 """
 
-from nash_mhc.data.pipeline import (
-    EncodedChunk,
-    PackedDataset,
-    build_token_stream,
-    clear_cache,
-    encode_chunks,
-    make_datasets,
-    stream_dtype,
-    token_stream,
-)
-from nash_mhc.data.prefetch import Prefetcher
-from nash_mhc.data.shards import ShardedDataset, ShardSource
-from nash_mhc.data.sources import (
-    DEFAULT_MAX_STREAM_TOKENS,
-    DiskDatasetSource,
-    FileSource,
-    HubSource,
-    Source,
-    StdlibSource,
-    SyntheticSource,
-    load_source,
-    split_paths,
-    stdlib_files,
-)
-from nash_mhc.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, get_tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_MAX_STREAM_TOKENS",
-    "ByteTokenizer",
-    "DiskDatasetSource",
-    "EncodedChunk",
-    "FileSource",
-    "HFTokenizer",
-    "HubSource",
-    "PackedDataset",
-    "Prefetcher",
-    "ShardSource",
-    "ShardedDataset",
-    "Source",
-    "StdlibSource",
-    "SyntheticSource",
-    "Tokenizer",
-    "build_token_stream",
-    "clear_cache",
-    "encode_chunks",
-    "get_tokenizer",
-    "load_source",
-    "make_datasets",
-    "split_paths",
-    "stdlib_files",
-    "stream_dtype",
-    "token_stream",
-]
+import dataclasses
+import os
+
+from nash_mhc.data.encode import encode_chunks, token_stream
+from nash_mhc.data.prefetch import Prefetcher
+from nash_mhc.data.prepared import PreparedSplit
+from nash_mhc.data.sources import Corpus, open_source
+from nash_mhc.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, count_bytes, get_tokenizer
+from nash_mhc.data.windows import PackedDataset
+from nash_mhc.settings import POSITIVE_INT, check_settings, setting
+
+__all__ = ["ByteTokenizer", "Corpus", "DataConfig", "HFTokenizer", "PackedDataset", "Prefetcher", "PreparedSplit",
+           "Tokenizer", "count_bytes", "encode_chunks", "get_tokenizer", "make_datasets", "open_source",
+           "open_windows", "token_stream"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The dataset (``--dataset``; see :mod:`nash_mhc.data.sources`) and the tokenizer that reads it.
+
+    ``dataset_split`` is the Hugging Face dataset's own named split to train on (``--split``), not the
+    train/eval *part* every dataset is cut into.
+    """
+
+    dataset: str = setting("stdlib", "'stdlib' (offline default corpus), 'synthetic', a local .txt/.jsonl/.json/"
+                                     ".parquet file or directory, a save_to_disk directory, prepared shards (python "
+                                     "-m nash_mhc.data.prepare) or a Hugging Face dataset id")
+    dataset_name: str | None = setting(None, "configuration name of a Hugging Face dataset")
+    dataset_split: str = setting("train", "split of a Hugging Face dataset (or saved DatasetDict) to train on",
+                                 flag="--split")
+    text_field: str = setting("text", "text column of JSON, Parquet and datasets data")
+    tokenizer: str = setting("bytes", "'bytes' (offline default), a tokenizer.json, a tokenizer directory or a "
+                                      "Hugging Face tokenizer id")
+    num_workers: int = setting(os.cpu_count() or 1, "tokenisation threads (the stream does not depend on them)",
+                               check=POSITIVE_INT)
+    max_stream_tokens: int | None = setting(20_000_000, "tokens read from a streamed Hugging Face dataset (its "
+                                                        "deterministic prefix is trained on; prepare shards for "
+                                                        "more)", check=POSITIVE_INT)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    def load_tokenizer(self) -> Tokenizer:
+        return get_tokenizer(self.tokenizer)
+
+
+def open_windows(config: DataConfig, part: str, tokenizer: Tokenizer, seq_len: int, seed: int) -> PackedDataset:
+    """The windows of part ``part`` ("train" or the held-out "eval") of ``config``'s dataset: memory-mapped
+    for prepared shards, tokenised now for every other kind."""
+    source = open_source(config.dataset, part, seed, dataset_name=config.dataset_name,
+                         dataset_split=config.dataset_split, text_field=config.text_field,
+                         max_stream_tokens=config.max_stream_tokens)
+    if isinstance(source, PreparedSplit):
+        return source.windows(tokenizer, seq_len, seed=seed)
+    tokens = token_stream(source, tokenizer, num_workers=config.num_workers)
+    return PackedDataset(tokens, seq_len, seed=seed, vocab_size=tokenizer.vocab_size, name=f"{source.name}/{part}")
+
+
+def make_datasets(dataset: str, tokenizer: str | Tokenizer, seq_len: int, seed: int, **options: object
+                  ) -> tuple[PackedDataset, PackedDataset, Tokenizer]:
+    """``(train, eval, tokenizer)``; ``options`` are the other :class:`DataConfig` fields (``dataset_name``,
+    ``dataset_split``, ``text_field``, ``num_workers``, ``max_stream_tokens``). Raises a one-line ``ValueError``
+    for anything unusable."""
+    tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    config = DataConfig(dataset=dataset, tokenizer=tok.name, **options)  # type: ignore[arg-type]
+    return (open_windows(config, "train", tok, seq_len, seed), open_windows(config, "eval", tok, seq_len, seed), tok)

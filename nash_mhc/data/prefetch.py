@@ -1,137 +1,55 @@
-"""A background thread that computes per-step values (batches) ahead of the training loop."""
+"""Batches computed ahead of the training loop on one background thread."""
 
 from __future__ import annotations
 
-import queue
-import threading
-import weakref
+import collections
+import concurrent.futures
 from collections.abc import Callable
-from types import TracebackType
 from typing import Generic, TypeVar
-
-__all__ = ["Prefetcher"]
 
 T = TypeVar("T")
 
-_POLL_S = 0.05
-
-
-class _Failure:
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def _produce(fn: Callable[[int], object], out: queue.Queue, stop: threading.Event, step: int) -> None:
-    # A plain function, not a method: the thread must not keep the Prefetcher alive (its finalizer stops it).
-    while not stop.is_set():
-        try:
-            item: object = fn(step)
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer
-            item = _Failure(error)
-        while not stop.is_set():
-            try:
-                out.put((step, item), timeout=_POLL_S)
-                break
-            except queue.Full:
-                continue
-        if isinstance(item, _Failure):
-            return
-        step += 1
-
 
 class Prefetcher(Generic[T]):
-    """Computes ``fn(step)`` for step = start_step, start_step + 1, ... on a daemon thread.
-
-    At most ``buffer_size`` results wait in the queue; ``next()`` returns ``(step, value)`` in step order. An
-    exception raised by ``fn`` is re-raised by ``next()`` (and by every later call). ``close()`` stops the thread
-    promptly (it finishes at most the ``fn`` call in progress); the object is also a context manager and an
-    iterator. ``buffer_size=0`` runs ``fn`` synchronously inside ``next()``, with no thread.
-    """
+    """``next()`` returns ``(step, fn(step))`` for step = start_step, start_step + 1, ...; up to ``buffer_size``
+    later steps are computed ahead on a thread (``buffer_size=0``: synchronously, no thread). An exception of
+    ``fn`` is raised by the ``next()`` that reaches its step. ``close()`` (or leaving the ``with`` block) drops
+    the queued work and waits at most for the ``fn`` call in progress."""
 
     def __init__(self, fn: Callable[[int], T], start_step: int = 0, buffer_size: int = 2) -> None:
-        self._stop = threading.Event()
-        # Dropping the Prefetcher without close() still stops the thread (which holds no reference to it).
-        weakref.finalize(self, self._stop.set)
         if buffer_size < 0:
             raise ValueError(f"buffer_size must be >= 0, got {buffer_size}")
-        self._fn = fn
-        self._next_step = start_step
-        self.buffer_size = buffer_size
-        self._closed = False
-        self._failure: BaseException | None = None
-        self._queue: queue.Queue[tuple[int, object]] | None = None
-        self._thread: threading.Thread | None = None
-        if buffer_size > 0:
-            self._queue = queue.Queue(maxsize=buffer_size)
-            self._thread = threading.Thread(
-                target=_produce, args=(fn, self._queue, self._stop, start_step), name="nash_mhc-prefetch", daemon=True
-            )
-            self._thread.start()
+        self.fn, self.step, self.buffer_size = fn, start_step, buffer_size
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, "nash_mhc-prefetch") if buffer_size else None
+        self.queue: collections.deque[concurrent.futures.Future[T]] = collections.deque()
+        self.closed = False
 
     def next(self) -> tuple[int, T]:
-        """The next ``(step, fn(step))``."""
-        if self._failure is not None:
-            raise self._failure
-        if self._closed:
+        if self.closed:
             raise RuntimeError("Prefetcher is closed")
-        if self._queue is None:
-            step = self._next_step
-            try:
-                value = self._fn(step)
-            except BaseException as error:
-                self._failure = error
-                raise
-            self._next_step += 1
-            return step, value
-        assert self._thread is not None
-        while True:
-            try:
-                step, item = self._queue.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if self._closed:
-                    raise RuntimeError("Prefetcher is closed") from None
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError("Prefetcher thread stopped unexpectedly") from None
-        if isinstance(item, _Failure):
-            self._failure = item.error
-            raise item.error
-        self._next_step = step + 1
-        return step, item  # type: ignore[return-value]
+        if self.pool is None:
+            value = self.fn(self.step)
+        else:
+            while len(self.queue) <= self.buffer_size:
+                self.queue.append(self.pool.submit(self.fn, self.step + len(self.queue)))
+            value = self.queue[0].result()  # a failed step stays at the head: every later next() raises again
+            self.queue.popleft()
+        self.step += 1
+        return self.step - 1, value
 
-    def __next__(self) -> tuple[int, T]:
-        return self.next()
+    __next__ = next
 
     def __iter__(self) -> Prefetcher[T]:
         return self
 
-    def close(self, timeout: float | None = 5.0) -> None:
-        """Stop the thread and drop buffered values; safe to call more than once."""
-        self._closed = True
-        self._stop.set()
-        if self._queue is not None:
-            while True:
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    break
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        """Whether the background thread is running."""
-        return self._thread is not None and self._thread.is_alive()
+    def close(self) -> None:
+        """Cancel what has not started and wait for the call in progress; safe to call more than once."""
+        self.closed = True
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> Prefetcher[T]:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

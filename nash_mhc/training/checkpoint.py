@@ -11,7 +11,6 @@ URIs (``gs://bucket/run``): they go through :mod:`nash_mhc.paths` (etils.epath),
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import equinox as eqx
@@ -143,7 +142,3 @@ def find_checkpoint(path: paths.PathLike) -> tuple[paths.Path, int | None]:
     if path.name.isdigit() and (path / "state").exists():
         return path.parent, int(path.name)
     return path, None
-
-
-def dump_json(path: paths.Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,83 +1,91 @@
-"""TrainConfig: the optimisation and step settings (frozen, validated, every field defaulted)."""
+"""TrainConfig (optimisation and step) and RunConfig (the training program's outputs and loop), each setting
+declared once (default, help, check); ``python -m nash_mhc.train`` generates its flags from these fields."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from nash_mhc.config import REMAT_POLICIES, ConfigMethods
+from nash_mhc.settings import (
+    NON_NEGATIVE,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    between,
+    check_settings,
+    setting,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(ConfigMethods):
-    """Optimiser, schedule and step settings.
+    """Optimiser, schedule and step settings (frozen, validated; ``TrainConfig()`` is valid).
 
-    batch_size: global batch in sequences per optimizer step (all microbatches, all hosts); it must divide
-      by ``grad_accum_steps``. The step itself takes whatever batch it is given; the training program sizes
-      batches by this field.
-    learning_rate / min_lr_ratio / warmup_steps / total_steps: linear warmup from ``lr/warmup`` to ``lr``
-      over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio`` at ``total_steps`` (held after).
-    weight_decay, beta1, beta2, eps: AdamW (decoupled decay, matrices only; see ``training.optim``).
-    grad_clip: global-norm clipping threshold (0 disables clipping).
-    grad_accum_steps: microbatches per step (strided split, token-weighted accumulation).
-    seed: initialisation seed (the training program derives its PRNG key from it).
-    remat: ``None`` keeps ``ModelConfig.remat``; ``"none" | "full" | "dots"`` overrides it for training.
+    The two step counts: ``total_steps`` is where training stops (``--total-steps``); ``lr_schedule_steps`` is
+    the length of the warmup + cosine schedule (default: ``total_steps``). Both are resolved here, so
+    ``warmup_steps`` and ``lr_schedule_steps`` are never None after construction. One optimizer update takes
+    ``batch_size`` sequences (all microbatches, all hosts), split into ``grad_accum_steps`` microbatches
+    (strided split, token-weighted accumulation). The training program's ``--batch-size`` is the microbatch,
+    so it sets ``batch_size = --batch-size x grad_accum_steps``.
+    ``remat``: None keeps ``ModelConfig.remat``; a policy overrides it for training (library use; no flag).
     """
 
-    batch_size: int = 32
-    learning_rate: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    total_steps: int = 10_000
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    grad_accum_steps: int = 1
-    seed: int = 0
-    remat: str | None = None
+    grad_accum_steps: int = setting(1, "microbatches per optimizer update (default: 1, or from "
+                                       "--total-batch-tokens)", check=POSITIVE_INT)
+    batch_size: int = setting(8, check=POSITIVE_INT)
+    learning_rate: float = setting(1e-3, "peak learning rate", check=POSITIVE)
+    min_lr_ratio: float = setting(0.1, "final learning rate / peak", check=between(0, 1))
+    warmup_steps: int | None = setting(None, "linear warmup steps (default: 10% of the schedule, at most 1000)",
+                                       check=NON_NEGATIVE_INT)
+    total_steps: int = setting(1000, "optimizer updates to train for (where the run stops)", check=POSITIVE_INT)
+    lr_schedule_steps: int | None = setting(None, "length of the cosine schedule (default: --total-steps); fix "
+                                                  "it to stop early and resume on the same schedule",
+                                            check=POSITIVE_INT)
+    weight_decay: float = setting(0.1, "AdamW weight decay (matrices only)", check=NON_NEGATIVE)
+    beta1: float = setting(0.9, "AdamW beta1", check=between(0, 1, high_open=True))
+    beta2: float = setting(0.95, "AdamW beta2", check=between(0, 1, high_open=True))
+    eps: float = setting(1e-8, "AdamW epsilon", check=POSITIVE)
+    grad_clip: float = setting(1.0, "global gradient-norm clip (0 disables)", check=NON_NEGATIVE)
+    seed: int = setting(0, "seed of initialisation and data order", check=NON_NEGATIVE_INT)
+    remat: str | None = setting(None, choices=REMAT_POLICIES)
 
     def __post_init__(self) -> None:
-        def fail(msg: str) -> None:
-            raise ValueError(f"TrainConfig: {msg}")
-
-        def is_int(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        for name in ("batch_size", "total_steps", "grad_accum_steps"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                fail(f"{name} must be a positive integer, got {value!r}")
-        for name in ("warmup_steps", "seed"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 0:
-                fail(f"{name} must be a non-negative integer, got {value!r}")
-        for name in ("learning_rate", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
-                fail(f"{name} must be a number, got {value!r}")
-        if self.learning_rate <= 0:
-            fail(f"learning_rate must be > 0, got {self.learning_rate}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            fail(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps > self.total_steps:
-            fail(f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}")
-        if self.weight_decay < 0:
-            fail(f"weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                fail(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.eps <= 0:
-            fail(f"eps must be > 0, got {self.eps}")
-        if self.grad_clip < 0:
-            fail(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        check_settings(self)
+        if self.lr_schedule_steps is None:
+            object.__setattr__(self, "lr_schedule_steps", self.total_steps)
+        if self.warmup_steps is None:
+            object.__setattr__(self, "warmup_steps", max(1, min(1000, self.lr_schedule_steps // 10)))
+        if self.warmup_steps > self.lr_schedule_steps:
+            raise ValueError(f"TrainConfig: warmup_steps={self.warmup_steps} exceeds the schedule's "
+                             f"lr_schedule_steps={self.lr_schedule_steps}")
         if self.batch_size % self.grad_accum_steps:
-            fail(f"batch_size={self.batch_size} must be divisible by grad_accum_steps={self.grad_accum_steps}")
-        if self.remat is not None and self.remat not in REMAT_POLICIES:
-            fail(f"unknown remat {self.remat!r}; choose one of {', '.join(REMAT_POLICIES)} (or None)")
+            raise ValueError(f"TrainConfig: batch_size={self.batch_size} must be divisible by "
+                             f"grad_accum_steps={self.grad_accum_steps}")
 
     @property
     def microbatch_size(self) -> int:
         return self.batch_size // self.grad_accum_steps
 
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The training program's outputs, resumption, logging, evaluation and loop guards."""
+
+    checkpoint_dir: str = setting("runs/nash_mhc", "checkpoints, metrics.jsonl, TensorBoard and config.json "
+                                                   "(a local directory or gs://...)")
+    checkpoint_interval: int = setting(500, "steps between checkpoints", check=POSITIVE_INT)
+    max_checkpoints: int = setting(3, "checkpoints to keep", check=POSITIVE_INT)
+    resume_from: str | None = setting(None, "checkpoint directory (or step directory) to resume from")
+    init_from: str | None = setting(None, "start from another run's weights with a fresh optimizer")
+    log_interval: int = setting(10, "steps between metric log lines", check=POSITIVE_INT)
+    eval_interval: int = setting(0, "steps between evaluations (0: never)", check=NON_NEGATIVE_INT)
+    eval_steps: int = setting(4, "batches per evaluation", check=POSITIVE_INT)
+    max_nonfinite_steps: int = setting(10, "abort after this many consecutive non-finite losses",
+                                       check=POSITIVE_INT)
+    worker_buffer_size: int = setting(2, "batches the prefetch thread keeps ready", check=NON_NEGATIVE_INT)
+    progress: bool = setting(True, "no tqdm progress bar")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if self.resume_from and self.init_from:
+            raise ValueError("give --resume-from or --init-from, not both")

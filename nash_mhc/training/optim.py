@@ -48,7 +48,7 @@ def make_schedule(config: TrainConfig) -> optax.Schedule:
     peak = float(config.learning_rate)
     floor = peak * float(config.min_lr_ratio)
     warmup = int(config.warmup_steps)
-    decay = max(int(config.total_steps) - warmup, 1)
+    decay = max(int(config.lr_schedule_steps) - warmup, 1)
 
     def schedule(count: Int[Array, ""] | int) -> Float[Array, ""]:
         step = jnp.asarray(count, jnp.float32)

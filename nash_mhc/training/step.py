@@ -140,6 +140,7 @@ def global_norm(tree: PyTree) -> Float[Array, ""]:
     leaves = jax.tree.leaves(tree)
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
 
+
 def _check_batch(batch: Batch, mesh: Mesh, accum: int) -> None:
     rows = batch.tokens.shape[0]
     if not isinstance(batch.tokens, jax.Array):  # host rows: each process passes its own share
@@ -273,20 +274,14 @@ def _eval_step(model: LanguageModel, batch: Batch, mesh: Mesh) -> Metrics:
     return {"loss": loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "tokens": count}
 
 
-def mesh_of(model: LanguageModel) -> Mesh:
-    """The mesh the model's parameters live on (a one-device mesh for unsharded parameters)."""
-    sharding = getattr(model.embedding, "sharding", None)
-    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
-        return sharding.mesh
-    devices = sorted(sharding.device_set, key=lambda d: d.id) if sharding is not None else jax.devices()[:1]
-    return make_mesh(1, 1, 1, devices=devices[:1])
-
-
 def eval_step(model: LanguageModel, batch: Batch, *, mesh: Mesh | None = None) -> Metrics:
     """Loss metrics of ``model`` on ``batch`` (no update): loss, ce_loss, aux_loss, tokens.
 
-    ``mesh`` defaults to the mesh of the model's parameters.
+    ``mesh`` (where the batch is split) defaults to the ambient mesh (``jax.set_mesh``; the training program
+    sets its mesh once for the run), else to :func:`make_mesh`'s default: every device along ``data``.
     """
-    mesh = mesh_of(model) if mesh is None else mesh
+    if mesh is None:
+        ambient = jax.sharding.get_mesh()
+        mesh = make_mesh() if ambient.empty else ambient
     _check_batch(batch, mesh, 1)
     return _eval_step(model, shard_batch(batch, mesh), mesh)

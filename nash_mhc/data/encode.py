@@ -1,0 +1,110 @@
+"""Tokenising a corpus into one token stream: every document followed by EOS, in document order.
+
+Work runs on ``num_workers`` threads over chunks of about ``CHUNK_CHARS`` characters of documents (the Rust
+tokenizers release the GIL) and is reassembled in order, so the stream does not depend on ``num_workers``.
+Documents over ``PIECE_CHARS`` characters are tokenised in pieces cut after a line break. Every id is checked
+against the vocabulary (a one-line ``ValueError`` naming the id and the vocabulary size).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+from jaxtyping import Integer
+
+from nash_mhc.data.sources.base import Corpus
+from nash_mhc.data.tokenizers import Tokenizer
+from nash_mhc.data.windows import check_ids, stream_dtype
+
+__all__ = ["EncodedChunk", "encode_chunks", "token_stream"]
+
+CHUNK_CHARS = 1 << 18  # one unit of tokenisation work: documents adding up to about this many characters
+PIECE_CHARS = 1 << 20  # longer documents are tokenised in pieces of at most this many characters
+
+
+class EncodedChunk(NamedTuple):
+    """Ids of consecutive documents, each followed by EOS, and how many documents they hold."""
+
+    ids: np.ndarray
+    documents: int
+
+
+def pieces(doc: str | bytes) -> list[str | bytes]:
+    """``doc`` cut after line breaks into pieces of at most ``PIECE_CHARS`` (hard cuts without a line break)."""
+    newline = "\n" if isinstance(doc, str) else b"\n"
+    out, start = [], 0
+    while len(doc) - start > PIECE_CHARS:
+        cut = doc.rfind(newline, start, start + PIECE_CHARS)  # type: ignore[arg-type]
+        end = cut + 1 if cut > start else start + PIECE_CHARS
+        if isinstance(doc, str) and "\udc00" <= doc[end] <= "\udfff":
+            end -= 1  # never split a surrogate pair
+        out.append(doc[start:end])
+        start = end
+    return [*out, doc[start:]]
+
+
+def _work_units(docs: Iterable[str | bytes]) -> Iterator[list[tuple[str | bytes, bool]]]:
+    """Groups of ``(piece, ends_document)`` of about ``CHUNK_CHARS`` characters, in order."""
+    unit, size = [], 0
+    for doc in docs:
+        parts = pieces(doc)
+        for j, piece in enumerate(parts):
+            unit.append((piece, j == len(parts) - 1))
+            size += len(piece)
+            if size >= CHUNK_CHARS:
+                yield unit
+                unit, size = [], 0
+    if unit:
+        yield unit
+
+
+def _ordered_map(fn: Callable[[Any], Any], items: Iterator[Any], workers: int) -> Iterator[Any]:
+    """``map(fn, items)`` on ``workers`` threads, in order, ``2 * workers`` items at a time."""
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="nash_mhc-tokenize") as pool:
+        while batch := list(itertools.islice(items, 2 * workers)):
+            yield from pool.map(fn, batch)
+
+
+def encode_chunks(corpus: Corpus, tokenizer: Tokenizer, *, num_workers: int = 1,
+                  max_tokens: int | None = None) -> Iterator[EncodedChunk]:
+    """``corpus`` tokenised in chunks of the stream's dtype; stops after exactly ``max_tokens`` tokens when given
+    (default: the corpus's own ``max_tokens``, the bounded prefix of a streamed dataset)."""
+    if num_workers < 1:
+        raise ValueError(f"num-workers must be >= 1, got {num_workers}")
+    max_tokens = corpus.max_tokens if max_tokens is None else max_tokens
+    dtype, eos = stream_dtype(tokenizer.vocab_size), np.array([tokenizer.eos_id], dtype=np.int64)
+    where = f"{corpus.name}/{corpus.part} with tokenizer {tokenizer.name!r}"
+
+    def encode(unit: list[tuple[str | bytes, bool]]) -> EncodedChunk:
+        ids = tokenizer.encode_batch([piece for piece, _ in unit])
+        out = np.concatenate([part for (_, last), piece_ids in zip(unit, ids, strict=True)
+                              for part in ([piece_ids, eos] if last else [piece_ids])])
+        check_ids(out, tokenizer.vocab_size, where)
+        return EncodedChunk(out.astype(dtype), sum(last for _, last in unit))
+
+    total = 0
+    chunks = _ordered_map(encode, _work_units(corpus.documents()), num_workers)
+    try:
+        for chunk in chunks:
+            if max_tokens is not None and total + chunk.ids.size >= max_tokens:
+                yield EncodedChunk(chunk.ids[: max_tokens - total], chunk.documents)
+                return
+            total += chunk.ids.size
+            yield chunk
+    finally:
+        chunks.close()  # type: ignore[attr-defined]
+
+
+def token_stream(corpus: Corpus, tokenizer: Tokenizer, *, num_workers: int = 1) -> Integer[np.ndarray, " n"]:
+    """The whole tokenised corpus as one array; a one-line ``ValueError`` when it has no documents."""
+    chunks = list(encode_chunks(corpus, tokenizer, num_workers=num_workers))
+    if not sum(chunk.documents for chunk in chunks):
+        raise ValueError(f"dataset {corpus.name!r} is empty: its {corpus.part} split has no documents")
+    return np.concatenate([chunk.ids for chunk in chunks])

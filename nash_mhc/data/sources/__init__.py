@@ -1,0 +1,64 @@
+"""Where the text comes from: one registry (:func:`open_source`) over one small module per kind of dataset.
+
+A dataset has two parts, ``"train"`` and the held-out ``"eval"`` (not to be confused with ``dataset_split``,
+the named split of a Hugging Face dataset, e.g. ``"validation"``). :func:`open_source` resolves a name to
+a :class:`Corpus` (documents in a fixed order, tokenised by :mod:`nash_mhc.data.encode`) or, for prepared
+shards, a :class:`~nash_mhc.data.prepared.PreparedSplit` (tokens already on disk):
+
+- ``"stdlib"`` (also ``"default"``): the ``.py`` files of the running Python's standard library
+  (:mod:`.stdlib`); ``"synthetic"``: a seeded word grammar (:mod:`.synthetic`);
+- a local path: prepared shards (``index.json``), a ``save_to_disk`` directory (:mod:`.arrow`), or
+  ``.txt``/``.jsonl``/``.json``/``.parquet`` files (:mod:`.files`);
+- anything else shaped like ``org/name``: a Hugging Face hub dataset (:mod:`.arrow`), streamed up to
+  ``max_stream_tokens`` tokens (that deterministic prefix is what is trained on).
+
+Held-out part, the same on every host and run: the dataset's own ``validation``/``valid``/``val``/``test``
+split when it has one; else the documents whose stable hash falls below ``EVAL_FRACTION`` (at least one each
+way; a single document is cut at a line break near its end); for a hub stream, its first documents.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nash_mhc.data import hub, prepared
+from nash_mhc.data.sources import arrow, files, stdlib, synthetic
+from nash_mhc.data.sources.base import EVAL_FRACTION, PARTS, Corpus, check_part, held_out, stable_fraction
+
+__all__ = ["EVAL_FRACTION", "PARTS", "Corpus", "held_out", "open_source", "stable_fraction"]
+
+
+# ------------------------------------------------------------------------------------------------ registry
+def _only_named(kind: str, name: str, dataset_name: str | None, dataset_split: str, *, splits: bool = False) -> None:
+    """One-line errors for ``--dataset-name``/``--split`` on kinds of dataset that have no such thing."""
+    if dataset_name:
+        raise ValueError(f"--dataset-name only applies to Hugging Face hub datasets, not {kind} {name!r}")
+    if dataset_split != "train" and not splits:
+        raise ValueError(f"--split {dataset_split!r}: {kind} {name!r} has no named splits (train uses 'train'; eval "
+                         "uses a held-out split automatically)")
+
+
+def open_source(name: str, part: str, seed: int = 0, *, dataset_name: str | None = None,
+                dataset_split: str = "train", text_field: str = "text",
+                max_stream_tokens: int | None = None) -> Corpus | prepared.PreparedSplit:
+    """Part ``part`` of dataset ``name`` (see the module docstring); a one-line ``ValueError`` for anything
+    unusable (unknown or unreachable dataset, missing path, split or text field, empty corpus)."""
+    check_part(part)
+    if name in ("stdlib", "default", "synthetic"):
+        _only_named("the offline corpus", name, dataset_name, dataset_split)
+        return synthetic.corpus(part, seed) if name == "synthetic" else stdlib.corpus(part)
+    path = Path(name).expanduser()
+    if path.exists():
+        root = path.resolve()
+        if prepared.is_prepared(root):
+            _only_named("prepared shards", name, dataset_name, dataset_split)
+            return prepared.PreparedSplit(root, part, name)
+        if arrow.is_saved_dataset(root):
+            _only_named("the saved dataset", name, dataset_name, dataset_split, splits=True)
+            return arrow.saved_corpus(root, name, part, dataset_split, text_field)
+        _only_named("local dataset", name, dataset_name, dataset_split)
+        return files.corpus(root, name, part, text_field)
+    if not hub.looks_like_hub_id(name):
+        raise ValueError(f"dataset path {name!r} does not exist")
+    return arrow.hub_corpus(name, part, dataset_name, dataset_split, text_field,
+                            max_stream_tokens if part == "train" else None)

@@ -1,0 +1,148 @@
+"""Local ``.txt``/``.jsonl``/``.json``/``.parquet`` files (``.gz`` compressed text too), one file or a directory
+of them (read recursively in relative-path order, hidden files skipped).
+
+A ``.txt`` file is one document; JSON records and Parquet rows give their ``text_field`` (a null text is
+skipped). The held-out part is keyed per document (SHA-1 of the file's relative path mixed with the record's
+index), so every file contributes to both parts. Read with the standard library (``pyarrow`` for Parquet),
+not ``datasets.load_dataset``: 0.60 s against 1.29 s and a 20 MB cache copy for a 21 MB JSON-lines corpus.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nash_mhc.data.sources.base import Corpus, document_fractions, held_out, tail_cut, text_of
+
+SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".txt": "txt", ".text": "txt",
+            ".parquet": "parquet"}
+SUFFIX_TEXT = ".txt, .jsonl, .json, .parquet"
+
+
+def file_kind(path: Path) -> str | None:
+    """``"txt" | "jsonl" | "json" | "parquet"`` from the file name (``.gz`` allowed except for Parquet)."""
+    name = path.name.lower()
+    kind = SUFFIXES.get(Path(name.removesuffix(".gz")).suffix)
+    return None if kind == "parquet" and name.endswith(".gz") else kind
+
+
+def local_files(path: Path) -> list[tuple[str, Path]]:
+    """``(relative POSIX path, path)`` of the readable files at ``path`` (a file or a directory), sorted."""
+    if path.is_file():
+        return [(path.name, path)] if file_kind(path) else []
+    found = []
+    for directory, subdirs, names in os.walk(path):
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        found += [(file.relative_to(path).as_posix(), file) for name in names if not name.startswith(".")
+                  for file in [Path(directory) / name] if file_kind(file) and file.is_file()]
+    return sorted(found)
+
+
+def _open(path: Path) -> Any:
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")  # noqa: SIM115
+
+
+def _lines(path: Path) -> Iterator[bytes]:
+    """The non-blank lines of a (possibly gzip-compressed) file."""
+    with _open(path) as f:
+        yield from (line for line in f if line.strip())
+
+
+def _read(path: Path) -> bytes:
+    with _open(path) as f:
+        return f.read()
+
+
+def _json_records(path: Path, rel: str) -> list[Any]:
+    try:
+        obj = json.loads(_read(path))
+    except json.JSONDecodeError as error:
+        if error.msg == "Extra data":  # JSON lines in a .json file
+            return [json.loads(line) for line in _lines(path)]
+        raise ValueError(f"{rel}: not valid JSON ({error.msg}, line {error.lineno})") from None
+    if isinstance(obj, dict):  # {"data": [records]} or one record
+        lists = [v for v in obj.values() if isinstance(v, list) and v and isinstance(v[0], dict)]
+        return lists[0] if len(lists) == 1 else [obj]
+    if isinstance(obj, list):
+        return obj
+    raise ValueError(f"{rel}: a JSON {type(obj).__name__}, expected objects with a text field")
+
+
+def _parquet(path: Path, rel: str, field: str) -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{rel}: reading Parquet needs pyarrow: pip install 'nash-mhc[data]'") from None
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as error:  # noqa: BLE001 - pyarrow's error text is the useful part
+        raise ValueError(f"{rel}: not a readable Parquet file ({str(error).splitlines()[0]})") from None
+    text_of(dict.fromkeys(file.schema_arrow.names), field, rel)  # fails now when the column is missing
+    return file
+
+
+def read_file(rel: str, path: Path, field: str) -> Iterator[str | None]:
+    """One file's documents in order (``None`` for a null text: it keeps its index)."""
+    kind = file_kind(path)
+    if kind == "txt":
+        data = _read(path)
+        if data:
+            yield data.decode("utf-8", errors="replace")
+    elif kind == "parquet":
+        for batch in _parquet(path, rel, field).iter_batches(columns=[field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                yield text_of({field: text}, field, rel)
+    else:
+        records = _json_records(path, rel) if kind == "json" else _lines(path)
+        for i, record in enumerate(records):
+            try:
+                record = json.loads(record) if kind == "jsonl" else record
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{rel} record {i + 1}: not valid JSON ({error.msg})") from None
+            yield text_of(record, field, f"{rel} (record {i + 1})")
+
+
+def _count(rel: str, path: Path, field: str) -> int:
+    """Documents in one file, checking the text field on its first record (or its schema) only."""
+    kind = file_kind(path)
+    if kind == "parquet":
+        return int(_parquet(path, rel, field).metadata.num_rows)
+    if kind == "jsonl":
+        records = read_file(rel, path, field)
+        next(records, None)  # parses and checks the first record
+        records.close()
+        return sum(1 for _ in _lines(path))
+    return sum(1 for _ in read_file(rel, path, field))
+
+
+def corpus(root: Path, name: str, part: str, text_field: str) -> Corpus:
+    """The ``part`` of the files at ``root``; checks the text field and that there is a document now."""
+    files = local_files(root)
+    if not files and root.is_file():
+        raise ValueError(f"dataset {name!r}: unsupported file type (expected {SUFFIX_TEXT}, .gz allowed)")
+    if not files:
+        raise ValueError(f"dataset {name!r}: no {SUFFIX_TEXT} files under the directory")
+    counts = [_count(rel, path, text_field) for rel, path in files]
+    if not sum(counts):
+        raise ValueError(f"dataset {name!r} is empty: no documents in its {SUFFIX_TEXT} files")
+    fractions = np.concatenate([document_fractions(rel, c) for (rel, _), c in zip(files, counts, strict=True)])
+    masks = np.split(held_out(fractions), np.cumsum(counts)[:-1])
+    want_eval = part == "eval"
+
+    def documents() -> Iterator[str]:
+        for (rel, path), mask in zip(files, masks, strict=True):
+            for i, doc in enumerate(read_file(rel, path, text_field)):
+                if i >= len(mask):
+                    raise ValueError(f"{rel} changed while it was read; run again")
+                if doc is not None and sum(counts) == 1:  # one document: train is its head, eval its tail
+                    yield doc[tail_cut(doc):] if want_eval else doc[:tail_cut(doc)]
+                elif doc is not None and bool(mask[i]) == want_eval:
+                    yield doc
+
+    return Corpus(name, part, documents)

@@ -1,0 +1,99 @@
+"""The package's layout: every import inside ``nash_mhc`` points down (no module reaches itself again through
+its imports, lazy function-level imports included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def modules() -> dict[str, Path]:
+    """``{dotted name: file}`` of every module of the package (a package is its ``__init__.py``)."""
+    out = {}
+    for path in sorted((ROOT / "nash_mhc").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: the package modules it imports}``; ``from X import y`` counts as importing ``X.y`` when that is
+    a module, else ``X``."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
+        graph[name] = {t for t in targets if t in known and t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_cycles_and_only_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_graph_sees_absolute_relative_and_lazy_imports():
+    graph = import_graph()
+    assert "nash_mhc.data.windows" in graph["nash_mhc.data.prepared"]  # from nash_mhc.data.windows import ...
+    assert "nash_mhc.training.loop" in graph["nash_mhc.train"]  # a function-level import
+    assert "nash_mhc.data.sources.arrow" in graph["nash_mhc.data.sources"]  # from package import submodule
+
+
+def test_no_import_cycles_in_the_package():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_low_layers_do_not_reach_the_programs_or_the_training_shell():
+    graph = import_graph()
+    shell = {"nash_mhc.training.loop", "nash_mhc.training.checkpoint", "nash_mhc.train", "nash_mhc.evaluate"}
+    for module in ("nash_mhc.hardware", "nash_mhc.settings", "nash_mhc.config", "nash_mhc.sharding",
+                   "nash_mhc.data", "nash_mhc.training.step"):
+        assert not reachable(graph, module) & shell, module
+    assert not reachable(graph, "nash_mhc.data") - {m for m in graph if m.startswith("nash_mhc.data")} - {
+        "nash_mhc.settings"}  # the data package needs nothing of the rest but the settings helper
