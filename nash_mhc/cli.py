@@ -137,6 +137,12 @@ class CompileCache:
         jax.config.update("jax_compilation_cache_dir", os.fspath(paths.as_path(self.compile_cache_dir)))
 
 
+def add_compile_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """``--compile-cache-dir`` on a plain argparse parser (the study's), from :class:`CompileCache`'s field."""
+    field = next(f for f in dataclasses.fields(CompileCache) if f.name == "compile_cache_dir")
+    parser.add_argument("--compile-cache-dir", default=field.default, help=field.metadata["help"])
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """Which trained checkpoint ``generate`` and ``evaluate`` load."""

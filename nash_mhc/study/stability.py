@@ -25,7 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from nash_mhc.cli import add_compile_cache_argument, use_compile_cache
+from nash_mhc.cli import CompileCache, add_compile_cache_argument
 from nash_mhc.config import ModelConfig
 from nash_mhc.study import report, stability_report
 from nash_mhc.study.runner import ChildRunner, DirectoryLock, StudyError, check_settings, read_json, write_json
@@ -92,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         check_settings(out, dataclasses.asdict(settings))
-        use_compile_cache(args.compile_cache_dir)
+        CompileCache(args.compile_cache_dir).use()
         # seed by seed: a study cut short still has every setting of its first seeds
         runs = [Run(r, d, lr, s) for s in args.seeds for d in args.depths for lr in args.learning_rates
                 for r in args.residual]
