@@ -96,7 +96,7 @@ def stability_gains_figure(records: list[dict[str, Any]], residuals: list[str], 
     for col, residual in enumerate(residuals):
         runs = groups[residual]
         steps = sorted({int(s) for rec in runs for s in rec["probes"]})
-        colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(steps), 1)))
+        colors = plt.cm.viridis(np.linspace(0, 0.9, len(steps)))  # none for a mode with no finished run
         for row, direction in enumerate(("forward", "backward")):
             ax = axes[row, col]
             plotted: list[float] = []
@@ -115,7 +115,8 @@ def stability_gains_figure(records: list[dict[str, Any]], residuals: list[str], 
             ax.set(title=f"{residual}: {direction} gain", xlabel="sublayer l (2 per layer)" if row else None,
                    ylabel=f"{direction} gain of H_l ... H_1" if col == 0 else None)
             ax.grid(alpha=0.3)
-        axes[0, col].legend(fontsize=7, title="solid: max, dashed: mean over tokens", title_fontsize=7)
+        if steps:
+            axes[0, col].legend(fontsize=7, title="solid: max, dashed: mean over tokens", title_fontsize=7)
     fig.suptitle(f"composite residual mapping over depth ({title}; median over seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
