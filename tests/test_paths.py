@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nash_mhc import paths
-from nash_mhc.training.checkpoint import Checkpointer, find_checkpoint
+from nash_mhc.training.checkpoint import MODEL_FORMAT, Checkpointer, find_checkpoint
 from nash_mhc.training.logger import RunLogger
 
 
@@ -228,7 +228,7 @@ def test_orbax_checkpoints_round_trip_through_gs(fake_gcs):
         checkpointer.save(step, jax.tree.map(lambda x, s=step: x * s, state), {"step": step, "note": "gs"})
     checkpointer.wait()
     assert checkpointer.all_steps() == [2, 3]  # max_to_keep deleted step 1 through the GCS delete path
-    assert checkpointer.read_meta(3) == {"step": 3, "note": "gs"}
+    assert checkpointer.read_meta(3) == {"step": 3, "note": "gs", "model_format": MODEL_FORMAT}
     template = jax.tree.map(jnp.zeros_like, state)
     restored = checkpointer.restore(3, template)
     checkpointer.close()

@@ -124,7 +124,7 @@ def test_training_makes_progress_and_logs(runs):
     longer). Logs: every metric is present and consistent with the schedule and the loss terms."""
     run = runs[(1, 1, 1)]
     metrics = run["metrics"]
-    after = [float(eval_step(run["state"].model, batch)["ce_loss"]) for batch in run["batches"]]
+    after = [float(eval_step(run["state"].model, batch, mesh=run["state"].mesh)["ce_loss"]) for batch in run["batches"]]
     before = [m["ce_loss"] for m in metrics]
     assert all(a < b for a, b in zip(after, before, strict=True)), (before, after)
     assert before[0] - after[0] > 0.2, (before, after)
