@@ -37,3 +37,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fresh_jax_caches() -> object:
+    """Drop every module's compiled programs when it ends: one pytest process compiles hundreds of them, and
+    the full suite crashed once (SIGSEGV inside XLA's CPU compiler, in test_step) with all of them alive."""
+    yield
+    jax.clear_caches()
