@@ -26,13 +26,12 @@ from nash_mhc.config import ModelConfig
 from nash_mhc.study import report
 from nash_mhc.study.runner import (
     ChildRunner,
-    DirectoryLock,
     StudyError,
-    check_settings,
     mean_std,
     pm,
     python_module,
     read_json,
+    study_directory,
     write_json,
 )
 from nash_mhc.study.variants import ATTENTION_LABELS, ATTENTIONS, RESIDUALS, attention_flags
@@ -315,10 +314,8 @@ def write_outputs(out: Path, args: argparse.Namespace, settings: Settings, runs:
 def main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     out = Path(args.out_dir)
-    lock = DirectoryLock(out)
     started = time.perf_counter()
-    try:
-        check_settings(out, dataclasses.asdict(settings))
+    with study_directory(out, dataclasses.asdict(settings)):
         # seed by seed: a study cut short still has every cell of its first seeds (paired comparisons)
         runs = [Run(r, a, s) for s in args.seeds for r in args.residual for a in args.attention]
         runner = ChildRunner()
@@ -342,8 +339,6 @@ def main(args: argparse.Namespace) -> int:
             runner.close()
         rows = cell_rows(runs, results)
         write_outputs(out, args, settings, runs, results, rows, time.perf_counter() - started)
-    finally:
-        lock.release()
     if runner.stopped:
         print(f"stopped by a signal after {len(results)} of {len(runs)} runs; rerun the same command to continue")
         return 0

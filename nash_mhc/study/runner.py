@@ -17,6 +17,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +136,14 @@ def pm(mean: float, std: float, digits: int = 3) -> str:
     if math.isnan(mean):
         return "n/a"
     return f"{mean:.{digits}f}" if math.isnan(std) else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+@contextmanager
+def study_directory(out: Path, settings: dict[str, Any]) -> Iterator[None]:
+    """Hold ``out``'s lock while a study writes there, after recording or checking its shared ``settings``."""
+    lock = DirectoryLock(out)
+    try:
+        check_settings(out, settings)
+        yield
+    finally:
+        lock.release()

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from nash_mhc.cli import CompileCache, add_compile_cache_argument
 from nash_mhc.config import ModelConfig
 from nash_mhc.study import report, stability_report
-from nash_mhc.study.runner import ChildRunner, DirectoryLock, StudyError, check_settings, read_json, write_json
+from nash_mhc.study.runner import ChildRunner, StudyError, read_json, study_directory, write_json
 from nash_mhc.study.stability_runs import Run, Settings, train_run
 from nash_mhc.study.variants import ATTENTIONS, RESIDUALS
 
@@ -88,10 +88,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     out = Path(args.out_dir)
-    lock = DirectoryLock(out)
     started = time.perf_counter()
-    try:
-        check_settings(out, dataclasses.asdict(settings))
+    with study_directory(out, dataclasses.asdict(settings)):
         CompileCache(args.compile_cache_dir).use()
         # seed by seed: a study cut short still has every setting of its first seeds
         runs = [Run(r, d, lr, s) for s in args.seeds for d in args.depths for lr in args.learning_rates
@@ -114,8 +112,6 @@ def main(args: argparse.Namespace) -> int:
         finally:
             runner.close()
         stability_report.write_outputs(args, settings, runs, results, time.perf_counter() - started)
-    finally:
-        lock.release()
     if runner.stopped:
         print(f"stopped by a signal after {len(results)} of {len(runs)} runs; rerun the same command to continue")
     else:
