@@ -429,6 +429,7 @@ def trained(corpus, train_main, tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in runs}
 
 
+@pytest.mark.slow
 def test_training_from_jsonl_parquet_saved_dataset_and_shards(corpus, trained):
     tok = str(corpus["tokenizer"])
     for name, run_dir in trained.items():
@@ -444,6 +445,7 @@ def test_training_from_jsonl_parquet_saved_dataset_and_shards(corpus, trained):
     assert any("eval_loss" in r for r in lines)
 
 
+@pytest.mark.slow
 def test_training_resumes_from_shards_exactly(corpus, train_main, trained):
     """Shards stopped at step 2 and resumed to 4 match 4 uninterrupted steps (of the same stream)."""
     code = train_main("--dataset", str(corpus["shards"]), "--tokenizer", str(corpus["tokenizer"]),

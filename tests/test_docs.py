@@ -154,6 +154,7 @@ def test_hardware_command_runs(tmp_path):
         assert process.returncode == 0 and output.startswith("devices: "), output
 
 
+@pytest.mark.slow
 def test_cpu_training_commands_run(tmp_path):
     """The runs-here block as written, both commands at once, with two flags added: no progress bar, and the
     compile cache in the test's temporary directory instead of the user's ~/.cache/nash_mhc/xla."""

@@ -56,6 +56,7 @@ def evaluate(capsys, run_dir: Path, *args: str) -> dict:
     return json.loads(out.out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_training_logs_the_numbers_evaluate_reports(capsys, run):
     records = [json.loads(line) for line in (run[0] / "metrics.jsonl").read_text().splitlines()]
     (logged,) = [r for r in records if "eval_loss" in r]
@@ -70,6 +71,7 @@ def test_training_logs_the_numbers_evaluate_reports(capsys, run):
     assert math.isclose(record["bits_per_byte"], logged["eval_bpb"], rel_tol=1e-5)
 
 
+@pytest.mark.slow
 def test_trained_model_beats_its_initialisation(capsys, run):
     trained = evaluate(capsys, run[0])
     untrained = evaluate(capsys, run[0], "--untrained")
@@ -84,6 +86,7 @@ def test_trained_model_beats_its_initialisation(capsys, run):
     assert trained["perplexity"] < 0.3 * untrained["perplexity"], (trained, untrained)
 
 
+@pytest.mark.slow
 def test_generate_continues_def_with_python_looking_text(run):
     run_dir, cache = run
     result = python_m("nash_mhc.generate", "--checkpoint-dir", str(run_dir), "--prompt", "def ", "--temperature",
@@ -106,6 +109,7 @@ def test_generate_continues_def_with_python_looking_text(run):
     (("--step", "3"), "no checkpoint at step 3"),
     (("--split", "test"), "invalid choice"),
 ])
+@pytest.mark.slow
 def test_evaluate_bad_input_exits_2_with_one_line(capsys, run, argv, message):
     if "--checkpoint-dir" not in argv:
         argv = ("--checkpoint-dir", str(run[0]), *argv)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,6 +20,7 @@ def run_example(name: str, *args: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_quickstart_builds_runs_and_learns():
     out = run_example("quickstart.py", "--steps", "20")
     losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step")]
@@ -25,12 +28,14 @@ def test_quickstart_builds_runs_and_learns():
     assert losses[-1] < losses[0] - 1.0
 
 
+@pytest.mark.slow
 def test_custom_training_loop_learns():
     out = run_example("custom_training_loop.py", "--steps", "12")
     losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step")]
     assert losses[-1] < losses[0] - 0.5 and "eval loss" in out
 
 
+@pytest.mark.slow
 def test_sharded_training_prints_the_memory_table():
     out = run_example("sharded_training.py", "--steps", "2")  # sets 8 fake devices itself
     assert "mesh data=2 fsdp=2 tp=2" in out

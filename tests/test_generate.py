@@ -97,6 +97,7 @@ GREEDY = dict(temperature=0)
 SAMPLED = dict(temperature=1.0, top_k=50, top_p=0.95)  # the CLI tests reuse these compiled settings
 
 
+@pytest.mark.slow
 def test_greedy_generation_is_deterministic_and_identical_with_and_without_cache(model):
     prompt = np.array([100, 101, 32, 102, 40], np.int32)
     cached = nash_mhc.generate(model, prompt, max_new_tokens=20, **GREEDY)
@@ -107,6 +108,7 @@ def test_greedy_generation_is_deterministic_and_identical_with_and_without_cache
     np.testing.assert_array_equal(cached, uncached)
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_and_the_same_with_and_without_cache(model):
     prompt = [120, 121]
     first = nash_mhc.generate(model, prompt, max_new_tokens=12, key=7, num_samples=2, **SAMPLED)

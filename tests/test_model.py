@@ -46,6 +46,7 @@ def all_finite(tree) -> bool:
                                                                                                       eqx.is_array)))
 
 
+@pytest.mark.slow
 def test_mhc_with_one_stream_equals_plain_exactly():
     mhc = ModelConfig.preset("tiny", residual="mhc", num_streams=1)
     plain = ModelConfig.preset("tiny", residual="plain")
@@ -135,6 +136,7 @@ def test_mhc_streams_stay_identical_at_init_like_a_prenorm_residual():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_gradients_finite_for_huge_sinkhorn_logits(dtype):
     config = ModelConfig.preset("tiny", dtype=dtype)
     model = perturbed(LanguageModel(config, key=jax.random.key(0)))
@@ -195,6 +197,7 @@ def test_remat_policies_do_not_change_results():
 
 
 @pytest.mark.parametrize("residual, attention", [("mhc", "multiscale"), ("plain", "full")])
+@pytest.mark.slow
 def test_native_batch_equals_vmap_over_sequences(residual, attention):
     """model([B, T]) runs the batch natively; it must equal jax.vmap(model) and model([T]) row by row."""
     model = LanguageModel(ModelConfig.preset("tiny", residual=residual, attention=attention), key=jax.random.key(0))

@@ -229,6 +229,7 @@ def test_normalised_entropy_per_position():
 
 # ----------------------------------------------------------------------------- coarse renormalisation
 @pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.slow
 def test_coarse_attention_logits_start_at_the_fine_scale_rms(preset):
     config = ModelConfig.preset(preset)
     model = LanguageModel(config, key=jax.random.key(0))

@@ -62,6 +62,7 @@ def steps_saved(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in run_dir.iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow
 def test_readme_main_command_trains_and_writes_its_outputs(tmp_path, cache_dir):
     run = tmp_path / "main"
     train("--use-small-model", "--total-steps", "100", "--batch-size", "8", "--checkpoint-dir", str(run),
@@ -80,6 +81,7 @@ def test_readme_main_command_trains_and_writes_its_outputs(tmp_path, cache_dir):
     assert b"train/nash_residual" in events and b"train/nash_temperature" in events
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_after_stop_and_after_sigterm(tmp_path, cache_dir):
     reference = tmp_path / "reference"
     train("--total-steps", "40", "--checkpoint-dir", str(reference), *SCHEDULE, cache=cache_dir)
@@ -111,6 +113,7 @@ def test_resume_is_bit_identical_after_stop_and_after_sigterm(tmp_path, cache_di
     assert all(after[s] == expected[s] for s in range(1, 41)), "resume after SIGTERM is not exact"
 
 
+@pytest.mark.slow
 def test_kill_during_async_save_resumes_from_last_complete_checkpoint(tmp_path, cache_dir):
     run = tmp_path / "killed"
     proc = subprocess.Popen(command("--total-steps", "100000", "--checkpoint-interval", "1", "--max-checkpoints",
@@ -129,6 +132,7 @@ def test_kill_during_async_save_resumes_from_last_complete_checkpoint(tmp_path, 
     assert max(steps_saved(run)) == max(complete) + 2 or max(steps_saved(run)) == resumed_from + 2
 
 
+@pytest.mark.slow
 def test_sharded_runs_match_one_device_and_resume_on_other_meshes(tmp_path, cache_dir):
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     base = ["--total-steps", "6", "--batch-size", "8", "--checkpoint-interval", "3", *SCHEDULE]
@@ -158,6 +162,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_log_the_same_losses_once(tmp_path, cache_dir):
     single, multi = tmp_path / "single", tmp_path / "multi"
     base = ["--total-steps", "4", "--batch-size", "8", *SCHEDULE]
@@ -180,6 +185,7 @@ def test_two_processes_log_the_same_losses_once(tmp_path, cache_dir):
     assert "devices: 8" in outputs[0] and "devices:" not in outputs[1]
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_aborts_with_the_step_number(tmp_path, cache_dir):
     run = tmp_path / "diverged"
     result = train("--total-steps", "30", "--learning-rate", "1e30", "--warmup-steps", "0", "--max-nonfinite-steps",
@@ -218,6 +224,7 @@ def test_unknown_preset_is_a_one_line_usage_error(tmp_path, cache_dir):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_corrupt_and_mismatched_checkpoints_exit_2_and_delete_nothing(tmp_path, capsys, cache_dir):
     run = tmp_path / "run"
     train("--total-steps", "2", "--checkpoint-dir", str(run), cache=cache_dir)
