@@ -73,6 +73,7 @@ def amax_gain(maps: jax.Array) -> float:
 
 
 @pytest.mark.parametrize("residual, moved", [("mhc", False), ("mhc", True), ("hc", True)])
+@pytest.mark.slow
 def test_composite_residual_mapping_keeps_unit_gain_only_under_the_manifold_constraint(residual, moved):
     """Π H_res over all 12 sublayers, at init and with every parameter moved by 0.05 (a stand-in for training).
 
@@ -150,6 +151,7 @@ def test_gradients_finite_for_huge_sinkhorn_logits(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_gradients_finite_when_all_scales_agree(dtype):
     """Zero value projection → every scale outputs exactly 0 → the Nash game's scale S and spread are 0."""
     model = perturbed(LanguageModel(ModelConfig.preset("tiny", dtype=dtype), key=jax.random.key(0)))
@@ -235,6 +237,7 @@ def layer_scans(jaxpr, num_layers: int) -> int:
     return sum(1 for e in jaxpr.eqns if e.primitive.name == "scan" and e.params["length"] == num_layers)
 
 
+@pytest.mark.slow
 def test_layers_run_in_one_scan_and_program_size_is_flat_in_depth():
     sizes = {}
     for depth in (3, 6):

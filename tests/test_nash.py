@@ -289,6 +289,7 @@ def test_hc_matches_the_published_equations():
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_hc_starts_as_the_pre_norm_residual_transformer():
     """One-hot H_pre, H_post = 1, H_res = I and zero dynamic weights: the plain model's function at step 0.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from nash_mhc.ops import (
     downsample,
@@ -54,6 +55,7 @@ def test_rope_depends_on_relative_position_times_spacing():
     np.testing.assert_allclose(norms, jnp.broadcast_to(jnp.linalg.norm(q, axis=-1), (seq, 2)), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_causal_block_skipping_equals_the_full_masked_matrix():
     """causal_attention scores query chunk c only against keys up to its end; the result must be the
     full masked attention (same numbers: the skipped blocks are exactly-zero probabilities)."""
