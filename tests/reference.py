@@ -13,7 +13,7 @@ Sections, bottom up; a new piece goes into the section it belongs to and reuses 
 3. residual connections: ``connection`` (u = Σ_k H_pre[k] X[k], y = F(u), X ← H_res X + H_post ⊗ y) is shared
    by every mode; a mode only supplies its coefficients (``mhc_coefficients``). The published HC coefficients
    go next to them.
-4. layers: swiglu. The scale aggregation (Nash, convex), multiscale attention and a whole block go here.
+4. layers: swiglu, the Nash scale aggregation, multiscale attention, one whole block.
 """
 
 from __future__ import annotations
@@ -96,6 +96,12 @@ def sinkhorn(logits: Array, num_iters: int) -> Array:
     return np.exp(z)
 
 
+def renormalise(x: Array, eps: float) -> Array:
+    """x / sqrt(mean(x²) + eps) over the last axis, no gain (pooled coarse tokens)."""
+    x = f64(x)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
 def downsample(x: Array, weights: Array) -> Array:
     """Coarse token j = Σ_o weights[o] ⊙ x[j·s + o] over the fine tokens of block j that exist; x [T, D]."""
     x, weights = f64(x), f64(weights)
@@ -156,3 +162,83 @@ def swiglu(x: Array, w_gate: Array, w_up: Array, w_down: Array) -> Array:
     """(silu(x W_gate) ⊙ (x W_up)) W_down."""
     x = f64(x)
     return (silu(x @ f64(w_gate)) * (x @ f64(w_up))) @ f64(w_down)
+
+
+def nash_game(outputs: Array, available: Array, prior: Array, tau: float
+              ) -> tuple[Callable[[Array], Array], Array, Array]:
+    """For one position: (best response, start point softmax(prior), indices of the available scales).
+
+    Consensus O* = Σ w_l O_l, error e_l = |O_l − O*|² / (D S), S = mean_l |O_l|² / D, effective temperature
+    τ + 2 |C|_F with C the Gram matrix of the centred outputs over D S; BR(w) = softmax(b − e(w) / τ_eff).
+    """
+    idx = np.flatnonzero(available)
+    o = f64(outputs)[idx]
+    dim = o.shape[-1]
+    scale = np.mean(np.sum(o * o, axis=-1)) / dim
+    centred = o - o.mean(axis=0)
+    c = centred @ centred.T / (dim * scale)
+    tau_eff = tau + 2.0 * np.sqrt(np.sum(c * c) + 1e-12)
+    b = f64(prior)[idx]
+
+    def best_response(w: Array) -> Array:
+        err = np.sum((o - w @ o) ** 2, axis=-1) / (dim * scale)
+        return softmax(b - err / tau_eff)
+
+    return best_response, softmax(b), idx
+
+
+def nash(outputs: Array, available: Array, prior: Array, tau: float, iters: int) -> tuple[Array, Array]:
+    """Weights [T, L] after ``iters`` best responses from softmax(prior), and residuals max|BR(w) − w| [T];
+    outputs [T, L, D], available [T, L]."""
+    seq, scales, _ = outputs.shape
+    weights, residual = np.zeros((seq, scales)), np.zeros(seq)
+    for t in range(seq):
+        br, w, idx = nash_game(outputs[t], available[t], prior, tau)
+        for _ in range(iters):
+            w = br(w)
+        weights[t, idx] = w
+        residual[t] = np.abs(br(w) - w).max()
+    return weights, residual
+
+
+def multiscale_attention(x: Array, wq: Array, wk: Array, wv: Array, wo: Array, down: list[Array],
+                         block_sizes: tuple[int, ...], prior: Array, tau: float, *, nash_iters: int, eps: float,
+                         theta: float) -> tuple[Array, Array]:
+    """(y [T, D], weights [T, L]): causal multiscale attention with Nash aggregation on x [T, D].
+
+    Scale 0: causal attention of RoPE'd x W_q[0], x W_k[0] and V = x W_v. Scale l ≥ 1 (block s_l):
+    x_l = renormalise(downsample(x, down[l−1])), V_l = downsample(V, down[l−1]), queries/keys x_l W_{q,k}[l]
+    RoPE'd at coarse positions with spacing s_l, causal over coarse indices, upsampled shifted. The available
+    outputs are combined with their Nash weights, then y = (Σ_l w_l O_l) W_o.
+    """
+    x = f64(x)
+    seq, dim = x.shape
+    heads, head_dim = f64(wv).shape[1:]
+    v = np.einsum("td,dhk->thk", x, f64(wv))
+    outputs, available = [], []
+    for level, block in enumerate(block_sizes):
+        x_l = x if level == 0 else renormalise(downsample(x, down[level - 1]), eps)
+        v_l = v if level == 0 else downsample(v.reshape(seq, dim), down[level - 1]).reshape(-1, heads, head_dim)
+        positions = np.arange(x_l.shape[0])
+        q = rope(np.einsum("td,dhk->thk", x_l, f64(wq[level])), positions, block, theta)
+        k = rope(np.einsum("td,dhk->thk", x_l, f64(wk[level])), positions, block, theta)
+        o = causal_attention(q, k, v_l).reshape(-1, dim)
+        up, avail = (o, np.ones(seq, bool)) if level == 0 else upsample_shifted(o, seq, block)
+        outputs.append(up)
+        available.append(avail)
+    outputs, available = np.stack(outputs, axis=1), np.stack(available, axis=1)
+    weights, _ = nash(outputs, available, prior, tau, nash_iters)
+    combined = np.einsum("tl,tld->td", weights, outputs).reshape(seq, heads, head_dim)
+    return np.einsum("thk,hkd->td", combined, f64(wo)), weights
+
+
+def block(x: Array, attn_coefficients: Callable[[Array], Coefficients],
+          ffn_coefficients: Callable[[Array], Coefficients], attn_norm: Array,
+          ffn_norm: Array, attention: Sublayer, ffn: Sublayer, eps: float) -> Array:
+    """One block on X [T, n, D]: X ← connection(X, attention ∘ RMSNorm), then connection(X, FFN ∘ RMSNorm).
+
+    The coefficients of the second connection depend on X after the first, so they are passed as functions
+    of X: ``attn_coefficients(X)``, ``ffn_coefficients(X)``.
+    """
+    x = connection(x, attn_coefficients(x), lambda u: attention(rms_norm(u, attn_norm, eps)))
+    return connection(x, ffn_coefficients(x), lambda u: ffn(rms_norm(u, ffn_norm, eps)))

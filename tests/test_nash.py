@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -23,47 +24,8 @@ from nash_mhc.ops import combine, nash_weights, normalised_entropy, prior_weight
 DEFAULT = ModelConfig.preset("tiny")
 
 
-# ------------------------------------------------------------------------------------ NumPy reference
-def _softmax(z: np.ndarray) -> np.ndarray:
-    z = z - z.max()
-    e = np.exp(z)
-    return e / e.sum()
-
-
-def reference_game(outputs: np.ndarray, available: np.ndarray, prior: np.ndarray, tau: float):
-    """For one position: (best response, start point, indices of the available scales), float64.
-
-    Consensus O* = sum w_l O_l, error e_l = |O_l - O*|^2 / (D S), S = mean_l |O_l|^2 / D, effective
-    temperature tau + 2 |C|_F with C the Gram matrix of the centred outputs over D S.
-    """
-    idx = np.flatnonzero(available)
-    o = outputs[idx].astype(np.float64)
-    dim = o.shape[-1]
-    scale = np.mean(np.sum(o * o, axis=-1)) / dim
-    centred = o - o.mean(axis=0)
-    c = centred @ centred.T / (dim * scale)
-    tau_eff = tau + 2.0 * np.sqrt(np.sum(c * c) + 1e-12)
-    b = prior[idx].astype(np.float64)
-
-    def best_response(w: np.ndarray) -> np.ndarray:
-        consensus = w @ o
-        err = np.sum((o - consensus) ** 2, axis=-1) / (dim * scale)
-        return _softmax(b - err / tau_eff)
-
-    return best_response, _softmax(b), idx
-
-
-def reference_nash(outputs, available, prior, tau, iters):
-    """Weights [T, L] after ``iters`` best-response steps from softmax(prior) and their residuals [T]."""
-    seq, scales, _ = outputs.shape
-    weights, residual = np.zeros((seq, scales)), np.zeros(seq)
-    for t in range(seq):
-        br, w, idx = reference_game(outputs[t], available[t], prior, tau)
-        for _ in range(iters):
-            w = br(w)
-        weights[t, idx] = w
-        residual[t] = np.abs(br(w) - w).max()
-    return weights, residual
+# The float64 NumPy reference of the game: tests/reference.py (nash_game, nash).
+reference_game, reference_nash = ref.nash_game, ref.nash
 
 
 @functools.cache

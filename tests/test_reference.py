@@ -169,3 +169,66 @@ def test_mhc_connection_matches_reference(layer):
     assert_close(h_res, coefficients[2], atol=2e-6)
     # X: an n-term mix of order-1 streams plus H_post ⊗ y (y from a 64-term matmul), carrying the H_res error
     assert_close(got, want, atol=1e-5)
+
+
+def randomised_attention(attn, seed: int):
+    """Multiscale attention with projections of unit gain, random pooling weights, prior and temperature."""
+    rng = np.random.default_rng(seed)
+    dim = attn.wv.shape[0]
+    values = (rng.standard_normal(attn.wq.shape) * dim**-0.5, rng.standard_normal(attn.wk.shape) * dim**-0.5,
+              rng.standard_normal(attn.wv.shape) * dim**-0.5, rng.standard_normal(attn.wo.shape) * dim**-0.5,
+              tuple(1.0 / d.shape[0] + 0.3 * rng.standard_normal(d.shape) for d in attn.down),
+              rng.standard_normal(attn.aggregation.prior.shape), np.log(rng.uniform(0.05, 0.5)))
+    return eqx.tree_at(lambda m: (m.wq, m.wk, m.wv, m.wo, m.down, m.aggregation.prior,
+                                  m.aggregation.log_temperature), attn,
+                       jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), values))
+
+
+def reference_attention(attn):
+    """The float64 reference of ``attn`` as a function of x [T, D] → (y, weights)."""
+    return lambda x: ref.multiscale_attention(
+        x, attn.wq, attn.wk, attn.wv, attn.wo, list(attn.down), attn.block_sizes, attn.aggregation.prior,
+        float(np.exp(np.float64(attn.aggregation.log_temperature))), nash_iters=attn.aggregation.num_iters,
+        eps=attn.norm_eps, theta=attn.rope_theta)
+
+
+def test_multiscale_attention_matches_reference(layer):
+    """All three scales, the shifted upsampling, the Nash weights and the output projection, at T = 64."""
+    attn = randomised_attention(layer.attn, seed=27)
+    x = normal(28, (64, attn.wv.shape[0]))
+    y, weights, _, _ = eqx.filter_jit(lambda m, x: m(x))(attn, jnp.asarray(x))
+    want_y, want_weights = reference_attention(attn)(x)
+    assert np.abs(want_weights - 1.0 / 3).max() > 0.1  # the game is not trivial here
+    # Nash weights: the float32 solver vs float64 (2e-5 in test_nash), on float32 scale outputs
+    assert_close(weights, want_weights, atol=5e-5)
+    # y of order 1 after ~5 float32 matmuls (64 terms) and three softmaxes, carrying the weight error
+    assert_close(y, want_y, atol=1e-4 * np.abs(want_y).max())
+
+
+def test_tiny_block_matches_reference(layer):
+    """One whole ``tiny`` block (mHC around multiscale attention, mHC around SwiGLU) on random streams."""
+    block = eqx.tree_at(lambda b: (b.attn_hc, b.ffn_hc, b.attn), layer,
+                        (randomised_mhc(layer.attn_hc, 29), randomised_mhc(layer.ffn_hc, 30),
+                         randomised_attention(layer.attn, 31)))
+    block = eqx.tree_at(lambda b: (b.attn_norm.weight, b.ffn_norm.weight), block,
+                        (jnp.asarray(1.0 + normal(32, (64,), 0.3)), jnp.asarray(1.0 + normal(33, (64,), 0.3))))
+    dim = block.ffn.w_gate.shape[0]
+    hidden = block.ffn.w_gate.shape[1]
+    block = eqx.tree_at(lambda b: (b.ffn.w_gate, b.ffn.w_up, b.ffn.w_down), block,
+                        (jnp.asarray(normal(34, (dim, hidden), dim**-0.5)),
+                         jnp.asarray(normal(35, (dim, hidden), dim**-0.5)),
+                         jnp.asarray(normal(36, (hidden, dim), hidden**-0.5))))
+    n = block.attn_hc.b_pre.shape[0]
+    x = normal(37, (64, n, dim))
+    got, _ = eqx.filter_jit(lambda m, x: m(x))(block, jnp.asarray(x))
+
+    def coefficients(hc):
+        return lambda xs: ref.mhc_coefficients(xs, hc.norm.weight, hc.phi, hc.alpha, hc.b_pre, hc.b_post,
+                                               hc.b_res, eps=hc.norm.eps, sinkhorn_iters=hc.sinkhorn_iters)
+
+    ffn = block.ffn
+    want = ref.block(x, coefficients(block.attn_hc), coefficients(block.ffn_hc), block.attn_norm.weight,
+                     block.ffn_norm.weight, lambda u: reference_attention(block.attn)(u)[0],
+                     lambda u: ref.swiglu(u, ffn.w_gate, ffn.w_up, ffn.w_down), block.attn_norm.eps)
+    # streams of order 1: the attention tolerance above plus the two connections' (test_mhc_...: 1e-5)
+    assert_close(got, want, atol=2e-4 * np.abs(want).max())
