@@ -13,11 +13,16 @@ import pytest
 from nash_mhc import LanguageModel, ModelConfig
 
 MODES = list(itertools.product(("mhc", "hc", "plain"), ("multiscale", "full"), ("nash", "convex")))
-SEQ_LENS = (16, 21, 32)  # 21: a trailing partial coarse block at every coarse scale
+DEFAULT_MODE = ("mhc", "multiscale", "nash")
+# 21: a trailing partial coarse block at every coarse scale; the default mode also runs whole blocks (16, 32).
+# Each length is one compilation per mode, so the other modes run at 21 only.
+SEQ_LENS = (16, 21, 32)
 
 
 @pytest.mark.parametrize("residual, attention, aggregation", MODES)
 def test_future_tokens_never_change_past_logits(residual, attention, aggregation):
+    """For every k: the sequence with tokens k.. replaced (token k always changed) keeps the logits at < k bit
+    for bit and changes them at k. All T + 1 sequences of one length run as one batch."""
     config = ModelConfig.preset("tiny", residual=residual, attention=attention, aggregation=aggregation,
                                 num_layers=2)
     model = LanguageModel(config, key=jax.random.key(0))
@@ -28,16 +33,18 @@ def test_future_tokens_never_change_past_logits(residual, attention, aggregation
     model = eqx.combine(jax.tree.unflatten(treedef, noisy), model)
     forward = eqx.filter_jit(lambda m, t: m(t).logits)
     rng = np.random.default_rng(0)
-    for seq in SEQ_LENS:
+    for seq in SEQ_LENS if (residual, attention, aggregation) == DEFAULT_MODE else (21,):
         base = rng.integers(0, config.vocab_size, seq)
-        reference = np.asarray(forward(model, jnp.asarray(base)))
+        rows = [base]
         for k in range(seq):
             changed = base.copy()
             changed[k:] = rng.integers(0, config.vocab_size, seq - k)
             changed[k] = (base[k] + 1) % config.vocab_size
-            logits = np.asarray(forward(model, jnp.asarray(changed)))
-            assert np.array_equal(logits[:k], reference[:k]), f"T={seq}: token {k} changed an earlier logit"
-            assert not np.array_equal(logits[k], reference[k]), f"T={seq}: token {k} had no effect at {k}"
+            rows.append(changed)
+        logits = np.asarray(forward(model, jnp.asarray(np.stack(rows))))
+        for k in range(seq):
+            assert np.array_equal(logits[k + 1, :k], logits[0, :k]), f"T={seq}: token {k} changed an earlier logit"
+            assert not np.array_equal(logits[k + 1, k], logits[0, k]), f"T={seq}: token {k} had no effect at {k}"
 
 
 def test_causality_across_attention_query_chunks():

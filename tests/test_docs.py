@@ -127,6 +127,7 @@ def test_training_commands_in_the_docs_parse(command):
         assert configs.train.microbatch_size % (configs.mesh.data * configs.mesh.fsdp) == 0, command
 
 
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_launcher_commands_in_the_docs_run(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # deploy writes its code archive there
     dry = []

@@ -27,7 +27,10 @@ from nash_mhc.training.checkpoint import Checkpointer
 MODES = list(itertools.product(("mhc", "hc", "plain"), ("multiscale", "full"), ("nash", "convex")))
 # (compression ratio, seq_len, tokens fed): r=2 → blocks 1,2,4 (22 = 5·4 + 2: a trailing partial block);
 # r=3 → blocks 1,3,9 (16 = 5·3 + 1 = 9 + 7) checks the input ring with a block size that is not a power of 2.
-CASES = [(*mode, 2, 24, 22) for mode in MODES] + [("mhc", "multiscale", "nash", 3, 18, 16)]
+CASES = [(*mode, 2, 24, 22) if mode[2] == "nash" else pytest.param(*mode, 2, 24, 22, marks=pytest.mark.slow)
+         for mode in MODES] + [("mhc", "multiscale", "nash", 3, 18, 16)]
+# The convex aggregation's cache path is the Nash one's (weights from the same per-position outputs): its modes
+# run with the slow tests, a compilation each.
 TOLERANCE = 1e-5
 
 
@@ -122,6 +125,7 @@ def test_sampling_is_reproducible_and_the_same_with_and_without_cache(model):
     assert not np.array_equal(first, other)
 
 
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_one_compilation_serves_every_prompt_and_length(model):
     before = num_decode_traces()
     streamed = []
@@ -133,6 +137,7 @@ def test_one_compilation_serves_every_prompt_and_length(model):
     assert [s for s, _ in streamed] == [0, 1, 2, 3, *range(9), 0]
 
 
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_eos_ends_each_sample_and_stops_once_all_have_ended(model):
     greedy = nash_mhc.generate(model, [65, 66], max_new_tokens=10, **GREEDY)
     stopped = nash_mhc.generate(model, [65, 66], max_new_tokens=10, eos_id=int(greedy[0, 0]), **GREEDY)
@@ -215,6 +220,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_cli_streams_greedy_text_identical_with_and_without_cache(capsys, checkpoint):
     args = ("--checkpoint-dir", checkpoint, "--prompt", "def f(x):", "--temperature", "0", "--max-new-tokens", "12",
             "--ignore-eos")
@@ -240,6 +246,7 @@ def test_cli_streams_greedy_text_identical_with_and_without_cache(capsys, checkp
     (("--step", "7"), "no checkpoint at step 7"),
     (("--colour", "red"), "unrecognized arguments"),
 ])
+@pytest.mark.slow  # shares the trained-checkpoint fixture with the test above
 def test_cli_bad_input_exits_2_with_one_line(capsys, checkpoint, argv, message):
     if "--checkpoint-dir" not in argv:
         argv = ("--checkpoint-dir", checkpoint, *argv)

@@ -108,6 +108,7 @@ def streams_after_each_block(model: LanguageModel, tokens: jax.Array) -> list[ja
     return states
 
 
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_mhc_streams_stay_identical_at_init_like_a_prenorm_residual():
     """The n streams start as copies of the embedding, and at init every block keeps them (nearly) copies.
 
@@ -160,7 +161,8 @@ def test_gradients_finite_when_all_scales_agree(dtype):
     assert bool(jnp.isfinite(loss)) and all_finite(grads)
 
 
-@pytest.mark.parametrize("aggregation", ["nash", pytest.param("convex", marks=pytest.mark.slow)])  # convex: a compile
+@pytest.mark.parametrize("aggregation", ["nash", "convex"])
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_aggregation_weights_receive_gradient(aggregation):
     model = perturbed(LanguageModel(ModelConfig.preset("tiny", aggregation=aggregation), key=jax.random.key(0)))
     _, grads = value_and_grad(model, tokens(batch=2, seq=SEQ + 1))

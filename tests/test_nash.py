@@ -268,6 +268,7 @@ def test_hc_starts_as_the_pre_norm_residual_transformer():
 
 
 # ------------------------------------------------------------------------------------- sparsity term
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_sparsity_term_weighs_positions_by_the_loss_mask():
     from nash_mhc.training import Batch, eval_step
 

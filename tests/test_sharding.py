@@ -193,7 +193,9 @@ def device_bytes(leaves: list[jax.Array], device: jax.Device) -> int:
     return sum(s.data.nbytes for leaf in leaves for s in leaf.addressable_shards if s.device == device)
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 1), (1, 4, 2), (1, 1, 8)])
+# (1, 4, 2) splits both parameter axes; the single-axis meshes run with the slow tests (each is a compile)
+@pytest.mark.parametrize("shape", [pytest.param((1, 8, 1), marks=pytest.mark.slow), (1, 4, 2),
+                                   pytest.param((1, 1, 8), marks=pytest.mark.slow)])
 def test_state_is_born_sharded_within_ten_percent_of_ideal(shape):
     """Parameters + optimizer state: every device holds ≤ 1.10 × total / 8 bytes, laid out by the rules."""
     needs_8_devices()
