@@ -1,0 +1,88 @@
+"""Apply each model mutation of issue 15 to a scratch copy of the repository and list the quick tests it fails.
+
+    python tests/mutations.py [NAME ...]      (all mutations when no name is given)
+
+Each mutation is a literal text replacement in one file of a copy of the tracked files (the working tree is
+never touched); the quick tests (``-m "not slow"``) of the named test files then run on the copy. A mutation
+that no test catches is reported as SURVIVED and makes the exit status 1. The table in docs/testing.md is
+this script's output.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REFERENCE = "tests/test_reference.py"
+SINKHORN_ORDER = ("z = z - jax.nn.logsumexp(z, axis=-2, keepdims=True)  # columns sum to 1\n"
+                  "        z = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)  # rows sum to 1")
+
+# name: (file, [(old, new), ...], test files)
+MUTATIONS = {
+    "attention scale 1/K": ("nash_mhc/ops/attention.py", [("(1.0 / head_dim**0.5)", "(1.0 / head_dim)")],
+                            [REFERENCE, "tests/test_golden.py"]),
+    "bf16 off": ("nash_mhc/model.py", [("dtype=c.dtype, key=k2", 'dtype="float32", key=k2'),
+                                       ("dtype=c.dtype, key=k4", 'dtype="float32", key=k4'),
+                                       ("dt = jnp.dtype(c.dtype)", "dt = jnp.float32")], ["tests/test_bf16.py"]),
+    "Sinkhorn columns last": ("nash_mhc/ops/sinkhorn.py",
+                              [(SINKHORN_ORDER, "\n        ".join(reversed(SINKHORN_ORDER.split("\n        "))))],
+                              [REFERENCE, "tests/test_sinkhorn.py", "tests/test_golden.py"]),
+    "upsampling shift off by one": ("nash_mhc/ops/multiscale.py",
+                                    [("keep = seq_len - (block - 1)", "keep = seq_len - block"),
+                                     ("jnp.zeros((*batch, block - 1, dim), y.dtype), repeated",
+                                      "jnp.zeros((*batch, block, dim), y.dtype), repeated")],
+                                    [REFERENCE, "tests/test_golden.py"]),
+    "Nash temperature ignored": ("nash_mhc/ops/aggregation.py",
+                                 [("effective = temperature.astype(dtype) + 2.0 * spread",
+                                   "effective = 1.0 + 2.0 * spread")], [REFERENCE, "tests/test_nash.py"]),
+    "H_post = sigma": ("nash_mhc/layers/hyperconnection.py",
+                       [("h_post = 2.0 * jax.nn.sigmoid", "h_post = 1.0 * jax.nn.sigmoid")],
+                       [REFERENCE, "tests/test_golden.py"]),
+    "RoPE spacing 1 at every scale": ("nash_mhc/layers/attention.py",
+                                      [("spacing = self.block_sizes[level]", "spacing = 1")],
+                                      [REFERENCE, "tests/test_golden.py"]),
+    "cross-entropy mean over the local shard": (
+        "nash_mhc/training/step.py",
+        [("ce_sum = jax.lax.psum(jnp.sum(nll * mask), BATCH_AXES)",  # global count × mean of per-shard means
+          "ce_sum = jax.lax.pmean(jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0), BATCH_AXES)"
+          " * jax.lax.psum(jnp.sum(mask), BATCH_AXES)")], ["tests/test_step.py"]),
+}
+
+
+def run(name: str) -> list[str]:
+    """The quick tests that fail with mutation ``name`` applied."""
+    path, replacements, tests = MUTATIONS[name]
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    with tempfile.TemporaryDirectory(prefix="mutation_") as scratch:
+        for f in files:
+            (pathlib.Path(scratch) / f).parent.mkdir(parents=True, exist_ok=True)
+            (pathlib.Path(scratch) / f).write_bytes((ROOT / f).read_bytes())
+        target = pathlib.Path(scratch) / path
+        text = target.read_text()
+        for old, new in replacements:
+            assert old in text, (name, old)
+            text = text.replace(old, new)
+        target.write_text(text)
+        env = {**os.environ, "PYTHONPATH": scratch}  # the copy's nash_mhc before the installed one
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                              *tests], cwd=scratch, env=env, capture_output=True, text=True).stdout
+    return re.findall(r"^FAILED (\S+)", out, re.MULTILINE)
+
+
+def main(names: list[str]) -> int:
+    survived = 0
+    print("| mutation | failing quick tests |\n|---|---|")
+    for name in names or MUTATIONS:
+        failed = run(name)
+        survived += not failed
+        print(f"| {name} | {', '.join(f'`{t}`' for t in failed) or 'SURVIVED'} |", flush=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
