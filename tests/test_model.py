@@ -179,6 +179,7 @@ def test_padded_vocab_columns_get_no_probability():
     assert float(jnp.max(probs[:, config.vocab_size:])) == 0.0
 
 
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_untied_head_and_bfloat16_compute():
     config = ModelConfig.preset("tiny", tie_embeddings=False, dtype="bfloat16")
     model = LanguageModel(config, key=jax.random.key(0))

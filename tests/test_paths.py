@@ -271,6 +271,7 @@ def test_run_logger_uploads_metrics_and_events_and_appends_on_resume(fake_gcs, t
     assert not (fake_gcs.root / "bucket" / "other").exists()
 
 
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_prepare_puts_config_logs_and_checkpoints_in_the_bucket(fake_gcs):
     """The training program's set-up with --checkpoint-dir gs://...: config.json and the run logger go through
     the path layer, the checkpointer is opened there (resuming from it is the round trip above)."""
