@@ -126,7 +126,8 @@ def test_kill_during_async_save_resumes_from_last_complete_checkpoint(tmp_path, 
     proc.wait()
     complete = [s for s in steps_saved(run) if (run / str(s) / "meta").exists()]
     assert complete
-    out = train("--total-steps", str(max(complete) + 2), "--checkpoint-dir", str(run), cache=cache_dir)
+    out = train("--total-steps", str(max(complete) + 2), "--lr-schedule-steps", "100000", "--checkpoint-dir", str(run),
+                cache=cache_dir)  # the schedule of the killed run (a changed one is refused)
     resumed_from = int(out.stdout.split("resuming from step ")[1].split()[0])
     assert resumed_from >= max(complete) - 1 and resumed_from in complete + steps_saved(run)
     assert max(steps_saved(run)) == max(complete) + 2 or max(steps_saved(run)) == resumed_from + 2
