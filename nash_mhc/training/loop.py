@@ -320,7 +320,9 @@ class MetricsReader:
         session, model = self.session, self.session.configs.model
         figures = {"tokens_per_second": math.nan, "mfu": math.nan, "step_time_s": math.nan}
         if self.window_steps:
-            session.meter.sample()  # the probe shares the device: taken between steps, off the clock
+            probe_device = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("probe",))  # not the run's mesh
+            with jax.set_mesh(probe_device):
+                session.meter.sample()  # the probe shares the device: taken between steps, off the clock
             figures = session.meter.report(session.configs.train.batch_size * model.seq_len,
                                            self.window_time / self.window_steps)
             del figures["peak_flops_per_device"]
