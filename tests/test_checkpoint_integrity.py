@@ -172,46 +172,52 @@ def test_a_second_lock_names_the_holder_and_a_stale_lock_is_taken_over(tmp_path,
     assert "stale" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", ["file", "under_file", "read_only"])
-def test_unusable_checkpoint_directories_exit_2_with_one_line(tmp_path, capsys, kind):
+def read_only_filesystem(monkeypatch, root: Path) -> None:
+    """Make writes under ``root`` fail as on a read-only mount (EROFS: not a PermissionError, and root-proof)."""
+    import builtins
+    import errno
+
+    def guard(function, writes):
+        def wrapper(path, *args, **kwargs):
+            if writes(args, kwargs) and os.path.abspath(os.fspath(path)).startswith(str(root)):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+            return function(path, *args, **kwargs)
+        return wrapper
+
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+    monkeypatch.setattr(os, "open", guard(os.open, lambda a, k: (a[0] if a else k.get("flags", 0)) & write_flags))
+    monkeypatch.setattr(os, "mkdir", guard(os.mkdir, lambda a, k: True))
+    monkeypatch.setattr(builtins, "open", guard(builtins.open, lambda a, k: any(
+        c in (a[0] if a else k.get("mode", "r")) for c in "wax+")))
+
+
+@pytest.mark.parametrize("kind", ["file", "under_file", "read_only", "read_only_parent"])
+def test_unusable_checkpoint_directories_exit_2_with_one_line(tmp_path, capsys, monkeypatch, kind):
     target = tmp_path / "run"
     if kind == "file":
         target.write_text("x")
     elif kind == "under_file":
         (tmp_path / "file").write_text("x")
         target = tmp_path / "file" / "run"
-    else:
+    elif kind == "read_only":
         target.mkdir()
-        if os.geteuid() == 0:
-            if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(target)]).returncode:
-                pytest.skip("root without chattr: no read-only directory to try")
-        else:
-            target.chmod(0o555)
-    try:
-        code, err = run_main(["--checkpoint-dir", str(target), "--batch-size", "8", "--dataset", "synthetic"],
-                             capsys)
-    finally:
-        if kind == "read_only" and os.geteuid() == 0:
-            subprocess.run(["chattr", "-i", str(target)])
+        read_only_filesystem(monkeypatch, tmp_path)
+    else:
+        read_only_filesystem(monkeypatch, tmp_path)
+    code, err = run_main(["--checkpoint-dir", str(target), "--batch-size", "8", "--dataset", "synthetic"], capsys)
+    monkeypatch.undo()
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert str(tmp_path) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == {"file": ["run"], "under_file": ["file"]}.get(
+        kind, ["run"] if kind == "read_only" else [])
 
 
-def test_prepare_onto_a_read_only_directory_exits_2(tmp_path, capsys):
+def test_prepare_onto_a_read_only_filesystem_exits_2(tmp_path, capsys, monkeypatch):
     from nash_mhc.data import prepare
 
-    out = tmp_path / "out"
-    out.mkdir()
-    if os.geteuid() == 0:
-        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(out)]).returncode:
-            pytest.skip("root without chattr: no read-only directory to try")
-    else:
-        out.chmod(0o555)
-    try:
-        code = prepare.main(["--dataset", "synthetic", "--out", str(out / "shards")])
-    finally:
-        if os.geteuid() == 0:
-            subprocess.run(["chattr", "-i", str(out)])
+    read_only_filesystem(monkeypatch, tmp_path)
+    code = prepare.main(["--dataset", "synthetic", "--out", str(tmp_path / "shards")])
+    monkeypatch.undo()
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
