@@ -5,6 +5,7 @@ The subprocess tests share one trained run (``trained``: 4 tiny steps, checkpoin
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -16,10 +17,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_train_cli import ROOT, environment, run_main, steps_saved
+from test_train_cli import ROOT, SCHEDULE, environment, run_main, steps_saved
 
 BASE = ["--model", "tiny", "--batch-size", "8", "--dataset", "synthetic", "--no-progress", "--log-interval", "1",
-        "--checkpoint-interval", "2", "--lr-schedule-steps", "100", "--warmup-steps", "1"]
+        "--checkpoint-interval", "2", *SCHEDULE]  # test_train_cli's schedule: its compiled steps are in cache_dir
 
 
 def command(*args: str, cache: Path) -> list[str]:
@@ -45,8 +46,8 @@ def assert_one_line_error(output: str, *needles: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("xla_cache")
+def cache(cache_dir) -> Path:
+    return cache_dir
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +68,9 @@ def test_a_nan_streak_keeps_the_good_checkpoint_and_a_resume_continues_from_it(t
     directory = copy(trained, tmp_path / "run")
     output = run("--total-steps", "12", "--learning-rate", "1e6", "--max-checkpoints", "2", "--max-nonfinite-steps",
                  "3", "--allow-data-change", "--checkpoint-dir", str(directory), cache=cache, expect=3)
-    assert "learning rate at step 4: " in output and " before, " in output  # the schedule change, said
-    assert "the newest checkpoint is step 4, the last finite one" in output
     assert steps_saved(directory) == [2, 4]  # nothing from the streak, nothing rotated away
+    assert "the newest checkpoint is step 4, the last finite one" in output
+    assert "learning rate at step 4: " in output and " before, " in output  # the schedule change, said
     output = run("--total-steps", "6", "--checkpoint-dir", str(directory), cache=cache)
     assert "resuming from step 4" in output
     lines = records(directory)
@@ -152,7 +153,7 @@ def test_resuming_onto_other_data_or_schedule_names_each_difference(trained, tmp
     code, err = run_main([*BASE[2:], "--checkpoint-dir", str(trained), "--dataset", str(corpus), "--learning-rate",
                           "2e-3", "--total-steps", "6"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "dataset: 'synthetic' then" in err and "learning_rate: 0.001 then, 0.002 now" in err
+    assert "dataset: 'synthetic' then" in err and "learning_rate: 0.003 then, 0.002 now" in err
     assert "--allow-data-change" in err
     assert sorted(str(p) for p in trained.rglob("*")) == before
 
@@ -306,3 +307,29 @@ def test_seed_and_model_constants_out_of_range_are_refused():
     for field in ("rope_theta", "hc_identity_logit", "sparsity_weight"):
         with pytest.raises(ValueError, match=field):
             ModelConfig.preset("tiny", **{field: float("nan")})
+
+
+@pytest.mark.slow
+def test_generate_takes_tokenizer_to_replace_one_whose_relative_path_no_longer_resolves(trained, tmp_path, capsys):
+    generate = importlib.import_module("nash_mhc.generate")
+
+    moved = copy(trained, tmp_path / "run")
+    for meta_file in moved.glob("*/meta/metadata"):  # as written by a run given `--tokenizer tok/tokenizer.json`
+        meta = json.loads(meta_file.read_text())
+        meta["data"]["tokenizer"] = "tok/tokenizer.json"
+        meta_file.write_text(json.dumps(meta))
+    argv = ["--checkpoint-dir", str(moved), "--max-new-tokens", "2", "--compile-cache-dir", "none"]
+    assert generate.main(argv) == 2
+    assert "tok/tokenizer.json" in capsys.readouterr().err
+    assert generate.main([*argv, "--tokenizer", "bytes"]) == 0
+    capsys.readouterr()
+
+
+def test_checkpoints_record_local_paths_absolute(tmp_path, monkeypatch):
+    from nash_mhc.training.resume import absolute_spec
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert absolute_spec("tok/tokenizer.json") == str(tmp_path / "tok" / "tokenizer.json")
+    assert absolute_spec("bytes") == "bytes" and absolute_spec("gs://b/x") == "gs://b/x"

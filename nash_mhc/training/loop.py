@@ -107,14 +107,21 @@ def _source(path: str) -> tuple[Checkpointer, list[int]]:
 
 
 def _check_directory(directory: paths.Path) -> None:
-    """One-line errors for a ``--checkpoint-dir`` that cannot be a directory (a file, or under one)."""
+    """One-line errors, before any work, for a ``--checkpoint-dir`` that cannot be a directory (a file, or under
+    one) or cannot be created (read-only filesystem, no permission): a missing one is created and removed."""
     if paths.is_remote(directory):
         return
+    missing = []
     for parent in (directory, *directory.parents):
         if parent.exists():
             if not parent.is_dir():
                 raise CheckpointError(f"--checkpoint-dir {directory}: {parent} is a file, not a directory")
-            return
+            break
+        missing.append(parent)
+    if missing:
+        _make_directory(directory)
+        for created in missing:  # deepest first: nothing is left behind
+            created.rmdir()
 
 
 def _make_directory(directory: paths.Path) -> None:
