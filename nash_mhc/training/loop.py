@@ -10,6 +10,7 @@ and a SIGTERM/SIGINT (finish the step, save, exit 0) are hooks between steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -118,10 +119,11 @@ def _check_directory(directory: paths.Path) -> None:
                 raise CheckpointError(f"--checkpoint-dir {directory}: {parent} is a file, not a directory")
             break
         missing.append(parent)
-    if missing:
+    if missing and jax.process_index() == 0:  # one probe per run (the hosts may share the filesystem)
         _make_directory(directory)
         for created in missing:  # deepest first: nothing is left behind
-            created.rmdir()
+            with contextlib.suppress(OSError):
+                created.rmdir()
 
 
 def _make_directory(directory: paths.Path) -> None:
