@@ -106,6 +106,9 @@ def configs(argv: list[str] | None = None, parser: SettingsParser | None = None)
                              f"{per_microbatch}; give one of them")
         accumulation = program.total_batch_tokens // per_microbatch
     batch = {"batch_size": program.batch_size * accumulation, "grad_accum_steps": accumulation}
+    loss_chunks = parser.values(TrainConfig, given).get("loss_chunks", TrainConfig.loss_chunks)
+    if model.seq_len % loss_chunks:
+        raise ValueError(f"--loss-chunks {loss_chunks} does not divide --seq-len {model.seq_len}")
     return (Configs(model=model, train=parser.build(TrainConfig, given, **batch), data=parser.build(DataConfig, given),
                     mesh=parser.build(MeshConfig, given), run=parser.build(RunConfig, given)),
             parser.build(CompileCache, given))
