@@ -24,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- fit-table start -->", "<!-- fit-table end -->"
 GIB = 2**30
+PRESETS = ["base", "medium", "1b", "3b"]
+SLICES = ["v5e-8", "v6e-8", "v4-32", "v5p-8"]
 
 
 def key(preset: str, slice_name: str, per_chip: int, loss_chunks: int) -> str:
@@ -108,7 +110,8 @@ def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, mach
             f"on {machine} (no TPU: libtpu's compiler, `--compile-only`'s numbers). Mesh: fsdp over every chip; "
             "remat full; the preset's dtype and sequence length.", "", *(rows + [""] if len(rows) > 2 else [])]
     if missing:
-        body += [f"Not yet measured (each compile takes 10-70 minutes on this machine): {', '.join(missing)}.", ""]
+        body += [f"No answer yet (each compile takes 10-70 minutes on this machine; the results file holds the "
+                 f"compiles done so far): {', '.join(missing)}.", ""]
     body.append(END)
     if START in text:
         text = text[:text.index(START)] + "\n".join(body) + text[text.index(END) + len(END):]
@@ -119,8 +122,8 @@ def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, mach
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["base", "medium", "1b", "3b"])
-    parser.add_argument("--slices", nargs="+", default=["v5e-8", "v6e-8", "v4-32", "v5p-8"])
+    parser.add_argument("--presets", nargs="+", default=PRESETS, help="presets to compile (the table shows all)")
+    parser.add_argument("--slices", nargs="+", default=SLICES, help="slices to compile (the table shows all)")
     parser.add_argument("--max-batch", type=int, default=64, help="largest per-chip batch tried (a power of two)")
     parser.add_argument("--loss-chunks", type=int, default=8, help="cross-entropy slices (1 where seq_len "
                         "does not divide)")
@@ -131,13 +134,14 @@ def main() -> None:
     max_exp = args.max_batch.bit_length() - 1
     results_path, doc = Path(args.results), Path(args.doc)
     results = load(results_path)
-    command = "python benchmarks/fit_table.py --presets " + " ".join(args.presets) + " --slices " + \
-        " ".join(args.slices) + f" --max-batch {args.max_batch} --loss-chunks {args.loss_chunks}"
+    full_command = f"python benchmarks/fit_table.py --max-batch {args.max_batch} --loss-chunks {args.loss_chunks}"
     machine = f"a shared {os.cpu_count()}-core AMD EPYC VM, CPU only"
 
-    def refresh() -> None:
-        rows, missing = table(results, args.presets, args.slices, args.loss_chunks, args.max_batch)
-        write_doc(doc, rows, missing, command, machine)
+    def refresh() -> None:  # the doc's table always covers the whole default grid (a run may do part of it)
+        presets = [*PRESETS, *(p for p in args.presets if p not in PRESETS)]
+        slices = [*SLICES, *(s for s in args.slices if s not in SLICES)]
+        rows, missing = table(results, presets, slices, args.loss_chunks, args.max_batch)
+        write_doc(doc, rows, missing, full_command, machine)
 
     def record(preset: str, slice_name: str, per_chip: int, loss_chunks: int) -> dict:
         name = key(preset, slice_name, per_chip, loss_chunks)
