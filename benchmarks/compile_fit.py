@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--per-chip-batch", type=int, default=8, help="sequences per data shard (data x fsdp)")
     parser.add_argument("--grad-accum-steps", type=int, default=1, help="microbatches per step")
     parser.add_argument("--remat", default="full", help="none | full | dots")
+    parser.add_argument("--loss-chunks", type=int, default=1, help="cross-entropy over this many sequence slices")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="ModelConfig override, e.g. dtype=float32 or seq_len=4096 (repeatable)")
     parser.add_argument("--dump-dir", default=None, help="write the TPU compiler's buffer assignment here")
@@ -79,7 +80,7 @@ def main() -> None:
     model_config = ModelConfig.preset(args.preset, **overrides)
     data, fsdp, _ = resolve_mesh_shape(args.data, args.fsdp, args.tp, resolve_topology(args.topology).chips)
     train_config = TrainConfig(batch_size=args.per_chip_batch * data * fsdp, grad_accum_steps=args.grad_accum_steps,
-                               remat=args.remat)
+                               remat=args.remat, loss_chunks=args.loss_chunks)
     start = time.perf_counter()
     report = check_fit(model_config, train_config, topology=args.topology, data=args.data, fsdp=args.fsdp,
                        tp=args.tp)

@@ -6,6 +6,8 @@ code the training program logs ``eval_loss`` with (:mod:`nash_mhc.training.evalu
 line: loss (mean nats per predicted token), perplexity (exp(loss)), bits_per_byte (total nats / ln 2 / UTF-8
 bytes of the predicted text, comparable across tokenizers), aux_loss, tokens, bytes, batches, step.
 ``--untrained`` evaluates the run's step-0 initialisation instead, the baseline to compare with.
+``--mesh-data/--mesh-fsdp/--mesh-tp`` restore the model sharded over that mesh as training shards it (for
+models larger than one device; the batch is split over data x fsdp); without them it runs on one device.
 Exit codes: 0 done, 2 bad arguments or inputs (one line on stderr).
 """
 
@@ -41,6 +43,7 @@ def build_parser() -> SettingsParser:
 def main(argv: list[str] | None = None) -> int:
     from nash_mhc.data import DataConfig, open_windows
     from nash_mhc.inference import load_from_flags
+    from nash_mhc.sharding import batch_shards
     from nash_mhc.training.evaluation import evaluate
 
     try:
@@ -49,9 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         if config.dataset not in (None, data_config.dataset):
             data_config = DataConfig(dataset=config.dataset, tokenizer=data_config.tokenizer)
         data = open_windows(data_config, config.part, loaded.tokenizer, loaded.config.seq_len, loaded.seed)
+        batch_size = min(config.batch_size, data.num_windows)
+        if batch_size % batch_shards(loaded.mesh):
+            raise ValueError(f"--batch-size {batch_size} is not divisible by mesh data x fsdp = "
+                             f"{batch_shards(loaded.mesh)}")
     except (ValueError, FileNotFoundError, PermissionError) as error:
         return fail(error)
-    result = evaluate(loaded.model, data, loaded.tokenizer, batch_size=min(config.batch_size, data.num_windows),
+    result = evaluate(loaded.model, data, loaded.tokenizer, batch_size=batch_size,
                       num_batches=config.num_batches, mesh=loaded.mesh)
     print(json.dumps({**result.to_dict(), "step": loaded.step, "dataset": data_config.dataset,
                       "split": config.part}), flush=True)

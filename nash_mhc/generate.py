@@ -3,6 +3,8 @@
 Loads the latest (or ``--step``) checkpoint of a training run's ``--checkpoint-dir`` and decodes with the
 incremental cache of :mod:`nash_mhc.decoding` (``--temperature 0`` is greedy). With ``--num-samples N`` the
 samples are drawn together; the first is streamed, the others are printed when generation ends.
+``--mesh-data/--mesh-fsdp/--mesh-tp`` restore the model sharded over that mesh as training shards it (for
+models larger than one device); without them it runs on one device.
 Exit codes: 0 done, 2 bad arguments or inputs (one line on stderr).
 
 ``nash_mhc.generate`` is also the library function :func:`nash_mhc.decoding.generate`: importing this module

@@ -1,6 +1,8 @@
 """Loading a trained model: ``load_model(dir)`` reads a training run's metadata (model and train config,
-tokenizer, dataset) and restores only the model, onto one device. ``python -m nash_mhc.generate`` and
-``python -m nash_mhc.evaluate`` start here."""
+tokenizer, dataset) and restores only the model, onto one device or, given a ``mesh``, sharded over it by the
+training sharding rules (:mod:`nash_mhc.sharding`), so a model that does not fit one device can be evaluated
+and sampled. ``python -m nash_mhc.generate`` and ``python -m nash_mhc.evaluate`` start here; their
+``--mesh-data/--mesh-fsdp/--mesh-tp`` flags choose the mesh (none given: one device)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from nash_mhc.cli import Checkpoint, CompileCache, SettingsParser
 from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig, Tokenizer, get_tokenizer
 from nash_mhc.model import LanguageModel
-from nash_mhc.sharding import make_mesh
+from nash_mhc.sharding import MeshConfig, make_mesh
 from nash_mhc.training.checkpoint import Checkpointer, CheckpointError, find_checkpoint
 from nash_mhc.training.config import TrainConfig
+from nash_mhc.training.fit import abstract_train_state
 from nash_mhc.training.state import init_train_state
 
 __all__ = ["LoadedModel", "load_from_flags", "load_model"]
@@ -51,8 +54,9 @@ class LoadedModel:
 
 
 def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool = False,
-               tokenizer: str | None = None) -> LoadedModel:
-    """Restore the model of a training run's checkpoint onto the first device (a one-device mesh).
+               tokenizer: str | None = None, mesh: Mesh | None = None) -> LoadedModel:
+    """Restore the model of a training run's checkpoint onto the first device (a one-device mesh), or onto
+    ``mesh`` with the parameters placed as training places them (:data:`nash_mhc.sharding.PARAM_RULES`).
 
     ``checkpoint_dir`` is a run directory (its latest step, or ``step``) or one step directory inside it.
     ``untrained=True`` returns the run's initialisation instead (same config and seed as its step 0), the
@@ -85,6 +89,14 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
             raise CheckpointError(f"tokenizer {meta['data']['tokenizer']} has {tokenizer.vocab_size} ids, the model "
                                   f"at {directory}/{step} was trained with {model_config.vocab_size}")
         key = jax.random.key(train_config.seed)
+        if mesh is not None:  # sharded by the training rules: the TrainState's own placement
+            if untrained:
+                model = init_train_state(model_config, train_config, mesh, key=key).model
+                step = 0
+            else:
+                model = checkpointer.restore(step, abstract_train_state(model_config, train_config, mesh)).model
+            return LoadedModel(model=model, config=model.config, tokenizer=tokenizer, step=step, meta=meta,
+                               mesh=mesh)
         mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
         if untrained:
             model = eqx.filter_jit(lambda k: LanguageModel(model_config, key=k))(key)
@@ -106,10 +118,12 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
 
 def load_from_flags(parser: SettingsParser, argv: list[str] | None, settings: type[T]) -> tuple[T, LoadedModel]:
     """What ``generate`` and ``evaluate`` start with: their ``settings`` (checked before anything is loaded)
-    and the model of the run ``--checkpoint-dir``/``--step``/``--untrained`` name, with the compile cache on."""
+    and the model of the run ``--checkpoint-dir``/``--step``/``--untrained`` name, on one device or, when a
+    ``--mesh-*`` flag is given, on that mesh over all devices; with the compile cache on."""
     given = parser.given(argv)
     checkpoint, config = parser.build(Checkpoint, given), parser.build(settings, given)
+    mesh = parser.build(MeshConfig, given).make() if parser.values(MeshConfig, given) else None
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
     parser.build(CompileCache, given).use()
     return config, load_model(checkpoint.checkpoint_dir, step=checkpoint.step, untrained=checkpoint.untrained,
-                              tokenizer=checkpoint.tokenizer)
+                              tokenizer=checkpoint.tokenizer, mesh=mesh)

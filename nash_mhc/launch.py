@@ -3,7 +3,10 @@
 Every subcommand builds ``gcloud compute tpus tpu-vm ...`` commands and runs them (``--dry-run`` prints
 them instead, one shell-quoted command per line, and needs no gcloud):
 
-    create   gcloud ... create NAME --accelerator-type=v4-32 --version=tpu-ubuntu2204-base [--spot]
+    create   gcloud ... create NAME --accelerator-type=v4-32 --version=tpu-ubuntu2204-base [--spot]; with
+             ``--check-fit -- <training flags>`` it first runs ``python -m nash_mhc.train <training flags>
+             --compile-only --topology <accelerator type>`` here (libtpu, no TPU needed) and creates nothing
+             unless the train step fits the slice's memory (exit 4 when it does not)
     deploy   build a code-only archive (nash_mhc/, pyproject.toml, README.md, docs/, examples/ — never data,
              checkpoints, runs/ or a virtual environment), scp it to every worker, and on every worker unpack
              it into ~/nash_mhc and install it (uv venv with Python 3.11 + ``pip install -e ".[tpu]"``)
@@ -40,6 +43,7 @@ REMOTE_DIR = "nash_mhc"  # on each worker, relative to the home directory
 REMOTE_ARCHIVE = "nash_mhc-code.tar.gz"
 REMOTE_LOG = f"{REMOTE_DIR}/logs/train.log"
 REMOTE_PID = f"{REMOTE_DIR}/logs/train.pid"
+EXIT_DOES_NOT_FIT = 4  # python -m nash_mhc.train --compile-only: the step does not fit the slice
 
 # The archive holds these top-level entries (when present) and nothing else ...
 ARCHIVE_INCLUDE = ("nash_mhc", "pyproject.toml", "README.md", "LICENSE", "docs", "examples")
@@ -127,13 +131,24 @@ def _tpu(args: argparse.Namespace, verb: str, *extra: str) -> list[str]:
     return command
 
 
+def check_fit_command(accelerator_type: str, train_args: Sequence[str]) -> list[str]:
+    """The local compile-only run of the training flags for the slice (exit 0 fits, 4 does not, 2 bad flags)."""
+    return [sys.executable, "-m", "nash_mhc.train", *train_args, "--compile-only", "--topology", accelerator_type]
+
+
 def create_commands(args: argparse.Namespace) -> list[list[str]]:
     extra = [f"--accelerator-type={args.accelerator_type}", f"--version={args.version}"]
     if args.spot:
         extra.append("--spot")
     if args.network:
         extra.append(f"--network={args.network}")
-    return [_tpu(args, "create", *extra)]
+    train_args = list(args.train_args)
+    if train_args[:1] == ["--"]:
+        train_args = train_args[1:]
+    if train_args and not args.check_fit:
+        raise LaunchError("training flags after -- are for --check-fit (give it, or drop the flags)")
+    check = [check_fit_command(args.accelerator_type, train_args)] if args.check_fit else []
+    return [*check, _tpu(args, "create", *extra)]
 
 
 def deploy_commands(args: argparse.Namespace, archive: str) -> list[list[str]]:
@@ -213,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--version", default="tpu-ubuntu2204-base", help="TPU software (runtime) version")
     s.add_argument("--spot", action="store_true", help="spot capacity: cheaper, may be preempted at any time")
     s.add_argument("--network", help="VPC network (default: the project's default network)")
+    s.add_argument("--check-fit", action="store_true",
+                   help="first compile the train step of the flags after -- for this accelerator type here "
+                        "(python -m nash_mhc.train ... --compile-only; needs libtpu) and create nothing unless "
+                        "it fits (exit 4 when it does not)")
+    s.add_argument("train_args", nargs=argparse.REMAINDER, help="with --check-fit: -- then the flags of "
+                   "python -m nash_mhc.train")
 
     s = sub.add_parser("deploy", parents=[common], help="ship the code to every worker and install it")
     s.add_argument("--extra", default="tpu", help="pip extra to install (tpu, or tpu,data)")
@@ -278,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)
         code = subprocess.run(command).returncode
         if code:
-            print(f"error: gcloud exited with {code}: {shlex.join(command[:5])} ...", file=sys.stderr)
+            what = "the train step does not fit: nothing created" if code == EXIT_DOES_NOT_FIT else \
+                f"{Path(command[0]).name} exited with {code}: {shlex.join(command[:5])} ..."
+            print(f"error: {what}", file=sys.stderr)
             return code
     return 0
 

@@ -160,16 +160,30 @@ class LanguageModel(eqx.Module):
         return None if aggregation is None else aggregation.temperature
 
     def embed(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq n dim"]:
-        """Token embeddings, repeated into the n residual streams: X [..., T, n, D]."""
+        """Token embeddings, repeated into the n residual streams: X [..., T, n, D] in the compute dtype.
+
+        The residual streams live in the compute dtype between layers (bfloat16 halves what the layer scan
+        keeps per layer, as in the mHC paper and MaxText); inside each sublayer the coefficients and the
+        stream mixing ``H_res X + H_post y`` are computed in float32 and rounded once on the way out
+        (:class:`~nash_mhc.layers.hyperconnection.HyperConnection`). Under float32 this is the identity.
+        """
         c = self.config
-        h = self.embedding[tokens]
+        h = self.embedding[tokens].astype(c.dtype)
         return jnp.broadcast_to(h[..., None, :], (*tokens.shape, c.num_streams, c.d_model))
 
     def unembed(self, x: Float[Array, "*batch seq n dim"]) -> Float[Array, "*batch seq vocab"]:
         """Collapse the streams (sum), final norm and LM head: logits [..., T, V], padded columns -1e30."""
+        return self.head_logits(self.collapse(x))
+
+    def collapse(self, x: Float[Array, "*batch seq n dim"]) -> Float[Array, "*batch seq dim"]:
+        """The streams' sum (in float32) under the final norm: what the LM head reads, [..., T, D] float32."""
+        return self.final_norm(jnp.sum(x.astype(jnp.float32), axis=-2))
+
+    def head_logits(self, h: Float[Array, "*batch seq dim"]) -> Float[Array, "*batch seq vocab"]:
+        """LM head on collapsed states ``h`` [..., T, D]: logits [..., T, V] float32, padded columns -1e30.
+        Position-wise, so it can run on a slice of the positions at a time (chunked cross-entropy)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        h = self.final_norm(jnp.sum(x, axis=-2))
         head = self.embedding.T if self.head is None else self.head
         logits = jnp.einsum("...d,dv->...v", h.astype(dt), head.astype(dt), preferred_element_type=jnp.float32)
         real = jnp.arange(c.padded_vocab_size) < c.vocab_size
@@ -188,9 +202,16 @@ class LanguageModel(eqx.Module):
         skip it, as their ids come from a tokenizer or the data pipeline, whose ids are in range.
         """
         _check_token_ids(tokens, self.config.vocab_size)
+        h, out = self.features(tokens, return_residual_maps=return_residual_maps)
+        return eqx.tree_at(lambda o: o.logits, out, self.head_logits(h))
+
+    def features(self, tokens: Int[Array, "*batch seq"], *, return_residual_maps: bool = False
+                 ) -> tuple[Float[Array, "*batch seq dim"], ModelOutput]:
+        """(collapsed states h [..., T, D] float32, the ModelOutput with ``logits`` = h): the forward pass up
+        to the LM head, for a loss that applies :meth:`head_logits` to a few positions at a time."""
         if tokens.ndim == 1:
-            out = self(tokens[None], return_residual_maps=return_residual_maps)
-            return jax.tree.map(lambda a: a[0], out)
+            h, out = self.features(tokens[None], return_residual_maps=return_residual_maps)
+            return h[0], jax.tree.map(lambda a: a[0], out)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [seq] or [batch, seq], got shape {tokens.shape}")
         c = self.config
@@ -209,13 +230,13 @@ class LanguageModel(eqx.Module):
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[c.remat])
         x, ys = jax.lax.scan(layer, x, params)
         entropy, weights, residual, diag = ys[:4]  # [layers, B, T], [layers, B, L], [layers, B], [layers, B]
-        logits = self.unembed(x)
+        h = self.collapse(x)
         maps = None
         if return_residual_maps:  # [layers, 2, B, T, n, n] → [B, 2·layers, T, n, n]
             maps = jnp.moveaxis(ys[4], 2, 0).reshape(batch, -1, seq, c.num_streams, c.num_streams)
         entropy = jnp.mean(entropy, axis=0)
         choice = choice_mask(seq, c.block_sizes)  # entropy is 0 elsewhere
         aux = jnp.sum(entropy, axis=-1) / max(int(choice.sum()), 1)
-        return ModelOutput(logits=logits, aux_loss=aux, entropy=entropy, scale_weights=jnp.mean(weights, axis=0),
+        return h, ModelOutput(logits=h, aux_loss=aux, entropy=entropy, scale_weights=jnp.mean(weights, axis=0),
                            nash_residual=jnp.max(residual, axis=0), res_diag=jnp.mean(diag, axis=0),
                            residual_maps=maps)

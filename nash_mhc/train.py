@@ -3,7 +3,14 @@
 With no flags it trains the ``small`` preset on the offline default corpus (the running Python's
 standard-library sources, byte tokenizer) on all local devices along the ``data`` mesh axis.
 Exit codes: 0 finished (or stopped by SIGTERM/SIGINT after saving), 2 bad arguments or inputs (one line on
-stderr), 3 loss not finite for too many steps in a row, anything else a crash.
+stderr), 3 loss not finite for too many steps in a row, 4 ``--compile-only`` found that the train step does not
+fit the devices' memory, anything else a crash.
+
+``--compile-only [--topology v5e:2x4]`` trains nothing: it builds the abstract train state and batch of the
+same flags (nothing allocated, no data read; only the tokenizer is loaded, for the vocabulary size), compiles
+the train step that training runs on the ``--mesh-*`` mesh over the local devices or over a TPU topology's
+abstract devices (needs libtpu, the ``tpu`` extra; no TPU), and prints the memory per chip
+(:mod:`nash_mhc.training.fit`).
 
 Every flag is generated from one field declaration (:mod:`nash_mhc.settings`): the model flags from
 ``ModelConfig`` (default: the preset's value), then ``DataConfig``, ``TrainConfig``, ``MeshConfig``
@@ -46,6 +53,25 @@ class Program:
         check_settings(self)
 
 
+EXIT_DOES_NOT_FIT = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOnly:
+    """Compile the train step and report whether it fits, instead of training."""
+
+    compile_only: bool = setting(False, "compile the train step for the devices (or --topology) without "
+                                        "allocating it, print memory per chip against its HBM and exit: 0 fits, "
+                                        "4 does not fit")
+    topology: str | None = setting(None, "with --compile-only: a TPU topology (v5e:2x4, v4:2x2x4) or Cloud "
+                                         "accelerator type (v5litepod-8, v6e-8, v4-32) to compile for on this "
+                                         "host (needs libtpu); default: the local devices")
+
+    def __post_init__(self) -> None:
+        if self.topology is not None and not self.compile_only:
+            raise ValueError("--topology needs --compile-only (training runs on the local devices)")
+
+
 def build_parser() -> SettingsParser:
     parser = SettingsParser("python -m nash_mhc.train", __doc__)
     parser.add_settings(Program)
@@ -55,6 +81,7 @@ def build_parser() -> SettingsParser:
     parser.add_settings(MeshConfig, "mesh", prefix="mesh-")
     parser.add_settings(RunConfig, "run")
     parser.add_settings(CompileCache, "run")
+    parser.add_settings(CompileOnly, "compile-only")
     return parser
 
 
@@ -79,17 +106,43 @@ def configs(argv: list[str] | None = None, parser: SettingsParser | None = None)
                              f"{per_microbatch}; give one of them")
         accumulation = program.total_batch_tokens // per_microbatch
     batch = {"batch_size": program.batch_size * accumulation, "grad_accum_steps": accumulation}
+    loss_chunks = parser.values(TrainConfig, given).get("loss_chunks", TrainConfig.loss_chunks)
+    if model.seq_len % loss_chunks:
+        raise ValueError(f"--loss-chunks {loss_chunks} does not divide --seq-len {model.seq_len}")
     return (Configs(model=model, train=parser.build(TrainConfig, given, **batch), data=parser.build(DataConfig, given),
                     mesh=parser.build(MeshConfig, given), run=parser.build(RunConfig, given)),
             parser.build(CompileCache, given))
+
+
+def compile_only(run_configs: Configs, options: CompileOnly) -> int:
+    """``--compile-only``: print the fit report of the train step; 0 fits (or unknown memory), 4 does not."""
+    from nash_mhc import hardware
+    from nash_mhc.training import fit
+
+    try:
+        if options.topology is not None:
+            fit.resolve_topology(options.topology)  # a bad name fails before anything is loaded
+        else:
+            hardware.init_devices()
+        model = run_configs.model.replace(vocab_size=run_configs.data.load_tokenizer().vocab_size)
+        mesh = run_configs.mesh
+        report = fit.check_fit(model, run_configs.train, topology=options.topology, data=mesh.data,
+                               fsdp=mesh.fsdp, tp=mesh.tp)
+    except (ValueError, FileNotFoundError) as error:
+        return fail(error)
+    print("\n".join(fit.report_lines(report)), flush=True)
+    return EXIT_DOES_NOT_FIT if report.fits is False else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         run_configs, cache = configs(argv, parser)
+        options = parser.build(CompileOnly, parser.given(argv))
     except ValueError as error:
         return fail(error)
+    if options.compile_only:  # (no persistent cache: what is measured is a compile)
+        return compile_only(run_configs, options)
 
     from nash_mhc import hardware
     from nash_mhc.training import loop  # Orbax, TensorBoard: after argument errors are reported

@@ -8,11 +8,16 @@ they are ``slow`` and shared per module; tests that need libtpu skip without it.
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import pytest
 
 from nash_mhc import ModelConfig, TrainConfig, make_mesh
+from nash_mhc import train as train_program
 from nash_mhc.training.fit import (
     HBM_BYTES,
     TopologyError,
@@ -160,3 +165,53 @@ def test_impossible_batch_is_a_does_not_fit_report(too_big):
     lines = report_lines(too_big)
     assert lines[-1] == "result: DOES NOT FIT"
     assert any("the compiler ran out of memory: temporaries need" in line for line in lines)
+
+
+# -------------------------------------------------------------------------- python -m nash_mhc.train --compile-only
+ROOT = Path(__file__).resolve().parents[1]
+TINY_ON_V5E_2X2 = ["--model", "tiny", "--remat", "full", "--mesh-data", "1", "--mesh-fsdp", "4", "--compile-only"]
+
+
+def compile_only(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nash_mhc.train", *TINY_ON_V5E_2X2, *flags], cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_compile_only_cli_reports_a_fit_and_exits_0():
+    result = compile_only("--batch-size", "8", "--topology", "v5e:2x2")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "compile-only: train step for v5e:2x2: 4 x TPU v5 lite, mesh data=1 fsdp=4 tp=1"
+    assert lines[2].startswith("batch: 8 x 64 tokens (2 x 64 per data shard")
+    assert lines[3].startswith("per chip: parameters + optimizer state ") and "temporaries" in lines[3]
+    assert lines[4].startswith("total ") and "of 16.00 GiB (table), headroom" in lines[4]
+    assert lines[5].startswith("compiler estimates per chip: ") and "FLOP" in lines[5]
+    assert lines[-1] == "result: fits"
+    assert "error" not in result.stderr.lower()  # libtpu's start-up complaints stay out of the way
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_compile_only_cli_exits_4_when_the_batch_cannot_fit():
+    # 65,536 sequences per chip: the TPU compiler refuses (about 140 GiB of temporaries on a 16 GiB chip).
+    result = compile_only("--batch-size", str(4 * 65536), "--topology", "v5litepod-4")
+    assert result.returncode == train_program.EXIT_DOES_NOT_FIT == 4, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("compile-only: train step for v5litepod-4 = v5e:2x2")
+    assert "the compiler ran out of memory: temporaries need" in result.stdout
+    assert lines[-1] == "result: DOES NOT FIT"
+
+
+@pytest.mark.parametrize("flags", [["--compile-only", "--topology", "v5e-6"], ["--topology", "v5e:2x2"],
+                                   ["--compile-only", "--topology", "tpu-v9"]])
+def test_compile_only_bad_topology_is_exit_2_listing_the_valid_names(flags, capsys, tmp_path):
+    assert train_program.main(["--model", "tiny", "--checkpoint-dir", str(tmp_path / "run"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    if "--compile-only" in flags:
+        assert "valid: Cloud accelerator types v4-{8," in err and "v5litepod" in err
+    else:
+        assert "--topology needs --compile-only" in err
+    assert not (tmp_path / "run").exists()

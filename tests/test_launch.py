@@ -3,6 +3,7 @@ runs exactly those commands (a fake ``gcloud`` on PATH records its argv) — no 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -159,3 +160,27 @@ def test_run_refuses_local_checkpoints_and_bad_env(capsys):
     assert launch.main(["--dry-run", "run", *TPU, "--allow-local-checkpoints", "--", "--model", "base"]) == 0
     assert launch.main(["--dry-run", "run", *TPU, "--env", "NOVALUE", "--", *TRAIN]) == 2
     assert "expected KEY=VALUE" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ create --check-fit
+def test_check_fit_runs_compile_only_for_the_accelerator_type_before_create(capsys):
+    train = ["--model", "1b", "--mesh-fsdp", "8", "--mesh-data", "1", "--batch-size", "64"]
+    (check, create), _ = dry_run(capsys, "create", "--accelerator-type", "v5litepod-8", "--check-fit", "--", *train)
+    assert check[1:] == ["-m", "nash_mhc.train", *train, "--compile-only", "--topology", "v5litepod-8"]
+    assert create[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"]
+    assert launch.main(["--dry-run", "create", *TPU, "--accelerator-type", "v6e-8", "--", *train]) == 2
+    assert "are for --check-fit" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a real TPU compile that fails fast (about 10 s)
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
+def test_check_fit_that_does_not_fit_creates_nothing(capsys, tmp_path, monkeypatch):
+    bin_dir, log = tmp_path / "bin", tmp_path / "gcloud.jsonl"
+    bin_dir.mkdir()
+    fake_gcloud(bin_dir, log)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    too_big = ["--model", "tiny", "--mesh-data", "1", "--mesh-fsdp", "4", "--batch-size", str(4 * 65536)]
+    assert launch.main(["create", *TPU, "--accelerator-type", "v5litepod-4", "--check-fit", "--", *too_big]) == 4
+    assert capsys.readouterr().err.splitlines()[-1] == "error: the train step does not fit: nothing created"
+    assert not log.exists()  # gcloud never ran

@@ -374,3 +374,33 @@ def test_train_config_defaults_and_validation():
 def test_remat_override():
     assert training_model_config(MODEL, TrainConfig(remat="full")).remat == "full"
     assert training_model_config(MODEL.replace(remat="dots"), TrainConfig()).remat == "dots"
+
+
+# ------------------------------------------------------------------------------------ chunked cross-entropy
+@pytest.mark.slow  # two compiles of the loss and its gradient
+def test_chunked_cross_entropy_matches_the_full_logits_loss():
+    """--loss-chunks 4 (logits of 4 positions at a time) gives the full-logits loss terms and gradients
+    (float32 sums in another order: 1e-6 relative), on a (1, 1, 2) mesh so the vocabulary is split (tp)."""
+    mesh = make_mesh(1, 1, 2, devices=jax.devices()[:2])
+    model = LanguageModel(MODEL, key=jax.random.key(1))
+    batch = make_batches()[0]
+    tokens = jnp.asarray(batch.tokens)
+    mask = jnp.asarray(batch.loss_mask)
+
+    @eqx.filter_jit
+    def terms(model: LanguageModel, chunks: int):
+        def objective(m):
+            ce, count, aux, _ = step_module.forward_terms(m, tokens[:, :-1], tokens[:, 1:], mask, mesh,
+                                                          loss_chunks=chunks)
+            return ce + aux, (ce, count, aux)
+        return eqx.filter_value_and_grad(objective, has_aux=True)(model)
+
+    with jax.set_mesh(mesh):
+        (_, full), full_grads = terms(model, 1)
+        (_, chunked), chunked_grads = terms(model, 4)
+    for a, b in zip(full, chunked, strict=True):
+        np.testing.assert_allclose(float(b), float(a), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(full_grads), jax.tree.leaves(chunked_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="--loss-chunks 3"):
+        step_module._check_batch(batch, mesh, 1, 3)

@@ -50,6 +50,10 @@ class TrainConfig(ConfigMethods):
     grad_clip: float = setting(1.0, "global gradient-norm clip (0 disables)", check=NON_NEGATIVE)
     seed: int = setting(0, "seed of initialisation and data order", check=SEED)
     remat: str | None = setting(None, choices=REMAT_POLICIES)
+    loss_chunks: int = setting(1, "compute the LM head and cross-entropy over this many slices of the sequence, "
+                                  "one at a time, so only one slice's full-vocabulary logits exist at once "
+                                  "(saves memory for large vocabularies; must divide seq-len)",
+                               check=POSITIVE_INT)
 
     def __post_init__(self) -> None:
         check_settings(self)

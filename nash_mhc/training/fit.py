@@ -302,7 +302,7 @@ def check_fit(model_config: ModelConfig, train_config: TrainConfig, *, topology:
     mesh = make_mesh(data, fsdp, tp, devices=devices)
     state = abstract_train_state(model_config, train_config, mesh)
     batch = abstract_batch(train_config.batch_size, model_config.seq_len, mesh)
-    train_step_module._check_batch(batch, mesh, train_config.grad_accum_steps)
+    train_step_module._check_batch(batch, mesh, train_config.grad_accum_steps, train_config.loss_chunks)
     state_bytes = per_device_bytes(state)
     hbm, hbm_source = hbm_of(devices[0])
     common = dict(target=target, device_kind=devices[0].device_kind, num_devices=len(devices),

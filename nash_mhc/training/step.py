@@ -119,16 +119,47 @@ def _mask_of(batch: Batch) -> jax.Array:
     return jnp.asarray(batch.loss_mask).astype(jnp.float32)
 
 
+def chunked_loss_terms(model: LanguageModel, h: Float[Array, "batch seq dim"], targets: Int[Array, "batch seq"],
+                       mask: Float[Array, "batch seq"], entropy: Float[Array, "batch seq"],
+                       aux_weight: Float[Array, "batch seq"], mesh: Mesh, chunks: int
+                       ) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
+    """:func:`loss_terms` of ``model.head_logits(h)`` over ``chunks`` equal slices of the positions, one at a
+    time (``lax.scan``, each slice rematerialised), so the logits of only T/chunks positions [B, T/chunks, V]
+    exist at once, forward and backward. The three results are sums over positions, so they add up."""
+    batch, seq, _ = h.shape
+
+    def split(a: jax.Array) -> jax.Array:  # [B, T, ...] -> [chunks, B, T/chunks, ...]
+        return jnp.moveaxis(a.reshape(batch, chunks, seq // chunks, *a.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def chunk(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, ...], None]:
+        h_c, *rest = xs
+        terms = loss_terms(model.head_logits(h_c), *rest, mesh)
+        return tuple(a + b for a, b in zip(carry, terms, strict=True)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    sums, _ = jax.lax.scan(chunk, (zero, zero, zero), tuple(map(split, (h, targets, mask, entropy, aux_weight))))
+    return sums
+
+
 def forward_terms(model: LanguageModel, inputs: Int[Array, "batch seq"], targets: Int[Array, "batch seq"],
-                  mask: Float[Array, "batch seq"], mesh: Mesh
+                  mask: Float[Array, "batch seq"], mesh: Mesh, *, loss_chunks: int = 1
                   ) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""], dict[str, jax.Array]]:
     """Model forward on a (micro)batch → global (Σ mask·NLL, Σ mask, Σ aux weight·entropy, diagnostics).
 
+    ``loss_chunks`` > 1 computes the LM head and cross-entropy a slice of the positions at a time
+    (:func:`chunked_loss_terms`); 1 is the plain full-logits loss.
     diagnostics (gradient-free): ``scale_weights`` [L] batch means of the aggregation weight of every
     scale, ``res_diag`` the mean diagonal of H_res, ``nash_residual`` the largest equilibrium residual.
     """
-    out = model(inputs)  # native batch: [B, T] → logits [B, T, V]
-    ce_sum, count, aux_sum = loss_terms(out.logits, targets, mask, out.entropy, aux_weights(mask, model), mesh)
+    if loss_chunks == 1:
+        out = model(inputs)  # native batch: [B, T] → logits [B, T, V]
+        ce_sum, count, aux_sum = loss_terms(out.logits, targets, mask, out.entropy, aux_weights(mask, model),
+                                            mesh)
+    else:
+        h, out = model.features(inputs)  # [B, T, D]: the logits are made chunk by chunk
+        ce_sum, count, aux_sum = chunked_loss_terms(model, h, targets, mask, out.entropy, aux_weights(mask, model),
+                                                    mesh, loss_chunks)
     diagnostics = {"scale_weights": jnp.mean(out.scale_weights, axis=0), "res_diag": jnp.mean(out.res_diag),
                    "nash_residual": jnp.max(out.nash_residual)}
     return ce_sum, count, aux_sum, jax.lax.stop_gradient(diagnostics)
@@ -141,7 +172,10 @@ def global_norm(tree: PyTree) -> Float[Array, ""]:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
 
 
-def _check_batch(batch: Batch, mesh: Mesh, accum: int) -> None:
+def _check_batch(batch: Batch, mesh: Mesh, accum: int, loss_chunks: int = 1) -> None:
+    if (batch.tokens.shape[1] - 1) % loss_chunks:
+        raise ValueError(f"{batch.tokens.shape[1] - 1} positions per sequence cannot be split into --loss-chunks "
+                         f"{loss_chunks} equal slices")
     rows = batch.tokens.shape[0]
     if not isinstance(batch.tokens, jax.Array):  # host rows: each process passes its own share
         rows *= jax.process_count()
@@ -179,7 +213,8 @@ def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
         grad_acc, ce_acc, aux_acc = carry
 
         def objective(p: PyTree) -> tuple[jax.Array, tuple[jax.Array, jax.Array, dict[str, jax.Array]]]:
-            ce_sum, _, aux_sum, diagnostics = forward_terms(eqx.combine(p, static), *xs, mesh)
+            ce_sum, _, aux_sum, diagnostics = forward_terms(eqx.combine(p, static), *xs, mesh,
+                                                            loss_chunks=config.loss_chunks)
             return ce_sum / denom + weight * aux_sum / aux_denom, (ce_sum, aux_sum, diagnostics)
 
         (_, (ce_sum, aux_sum, diagnostics)), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -253,7 +288,7 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     (the learned tau averaged over layers).
     Host arrays in ``batch`` are placed with :func:`nash_mhc.sharding.shard_batch`.
     """
-    _check_batch(batch, state.mesh, state.train_config.grad_accum_steps)
+    _check_batch(batch, state.mesh, state.train_config.grad_accum_steps, state.train_config.loss_chunks)
     return _train_step_jit(shard_batch(batch, state.mesh), state)
 
 

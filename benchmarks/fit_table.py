@@ -1,0 +1,168 @@
+"""The fit table of docs/tpu.md: the largest per-chip batch (a power of two, at the preset's sequence length)
+whose train step fits each TPU slice, found by the real TPU compiler on this CPU host (libtpu, no TPU).
+
+    python benchmarks/fit_table.py [--presets base medium 1b 3b] [--slices v5e-8 v6e-8 v4-32 v5p-8] \
+        [--max-batch 64] [--loss-chunks 8] [--results docs/results/tpu_fit.jsonl] [--doc docs/tpu.md]
+
+For every (preset, slice), cheapest first, it bisects over the exponents of 1, 2, 4, ..., --max-batch
+sequences per chip (mesh: fsdp over every chip, data 1, tp 1; remat full; the preset's dtype; cross-entropy
+over --loss-chunks slices) with :func:`nash_mhc.training.fit.check_fit`. Every compile is appended to the
+results file (JSON lines) as soon as it ends, and the table between the ``fit-table`` markers of the doc
+is rewritten from all the results so far, so an interrupted run keeps its rows and a rerun skips the
+compiles it already has. A row records how long its compiles took on the machine that ran them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+START, END = "<!-- fit-table start -->", "<!-- fit-table end -->"
+GIB = 2**30
+PRESETS = ["base", "medium", "1b", "3b"]
+SLICES = ["v5e-8", "v6e-8", "v4-32", "v5p-8"]
+
+
+def key(preset: str, slice_name: str, per_chip: int, loss_chunks: int) -> str:
+    return f"{preset}|{slice_name}|{per_chip}|{loss_chunks}"
+
+
+def load(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {key(r["preset"], r["slice"], r["per_chip"], r["loss_chunks"]): r for r in records}
+
+
+def compile_once(preset: str, slice_name: str, per_chip: int, loss_chunks: int) -> dict:
+    import jax
+
+    from nash_mhc import ModelConfig, TrainConfig
+    from nash_mhc.training.fit import check_fit, resolve_topology
+
+    chips = resolve_topology(slice_name).chips
+    model = ModelConfig.preset(preset)
+    chunks = loss_chunks if model.seq_len % loss_chunks == 0 else 1
+    train = TrainConfig(batch_size=per_chip * chips, remat="full", loss_chunks=chunks)
+    start = time.perf_counter()
+    report = check_fit(model, train, topology=slice_name, data=1, fsdp=-1, tp=1)
+    jax.clear_caches()
+    return {"preset": preset, "slice": slice_name, "per_chip": per_chip, "loss_chunks": loss_chunks,
+            "seq_len": model.seq_len, "dtype": model.dtype, "fits": report.fits, "total_bytes": report.total_bytes,
+            "temp_bytes": report.temp_bytes, "state_bytes": report.state_bytes, "hbm_bytes": report.hbm_bytes,
+            "seconds": round(time.perf_counter() - start, 1), "machine": f"{platform.node()}, "
+            f"{os.cpu_count()} CPU cores", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def largest_fitting(results: dict[str, dict], preset: str, slice_name: str, loss_chunks: int, max_exp: int,
+                    record) -> None:
+    """Bisect over exponents 0..max_exp; ``record`` compiles (or recalls) one batch and returns its result."""
+    low, high = -1, max_exp + 1  # 2**low fits (or low = -1: nothing known to fit), 2**high does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        if record(preset, slice_name, 2**mid, loss_chunks)["fits"]:
+            low = mid
+        else:
+            high = mid
+
+
+def table(results: dict[str, dict], presets: list[str], slices: list[str], loss_chunks: int, max_batch: int
+          ) -> tuple[list[str], list[str]]:
+    """(markdown rows, the (preset, slice) pairs with no answer yet)."""
+    rows = ["| preset | slice | dtype | largest batch per chip that fits | per chip at that batch (of HBM) | "
+            "next power of two | compiles | compile time |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    missing = []
+    for preset in presets:
+        for slice_name in slices:
+            tried = sorted((r for r in results.values() if r["preset"] == preset and r["slice"] == slice_name
+                            and r["loss_chunks"] == loss_chunks), key=lambda r: r["per_chip"])
+            fit = [r for r in tried if r["fits"]]
+            over = [r for r in tried if not r["fits"]]
+            best = max(fit, key=lambda r: r["per_chip"]) if fit else None
+            smallest_over = min(over, key=lambda r: r["per_chip"]) if over else None
+            settled = (best is None and smallest_over is not None and smallest_over["per_chip"] == 1) or (
+                best is not None and (best["per_chip"] >= max_batch or (
+                    smallest_over is not None and smallest_over["per_chip"] == 2 * best["per_chip"])))
+            if not settled:
+                missing.append(f"{preset} on {slice_name}")
+                continue
+            seconds = sum(r["seconds"] for r in tried)
+            if best is None:
+                answer, memory = "none (1 does not fit)", "-"
+            else:
+                answer = f"{best['per_chip']} x {best['seq_len']} tokens"
+                memory = f"{best['total_bytes'] / GIB:.2f} GiB of {best['hbm_bytes'] / GIB:.0f} GiB"
+            nxt = "-" if smallest_over is None else f"{smallest_over['per_chip']}: does not fit"
+            rows.append(f"| {preset} | {slice_name} | {tried[0]['dtype']} | {answer} | {memory} | {nxt} | "
+                        f"{len(tried)} | {seconds / 60:.0f} min |")
+    return rows, missing
+
+
+def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str) -> None:
+    text = doc.read_text()
+    body = [START, "", "Produced by", "", "```bash", command, "```", "",
+            f"on {machine} (no TPU: libtpu's compiler, `--compile-only`'s numbers). Mesh: fsdp over every chip; "
+            "remat full; the preset's dtype and sequence length.", "", *(rows + [""] if len(rows) > 2 else [])]
+    if missing:
+        body += [f"No answer yet (each compile takes 10-70 minutes on this machine; the results file holds the "
+                 f"compiles done so far): {', '.join(missing)}.", ""]
+    body.append(END)
+    if START in text:
+        text = text[:text.index(START)] + "\n".join(body) + text[text.index(END) + len(END):]
+    else:
+        raise SystemExit(f"{doc} has no {START} ... {END} markers")
+    doc.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", nargs="+", default=PRESETS, help="presets to compile (the table shows all)")
+    parser.add_argument("--slices", nargs="+", default=SLICES, help="slices to compile (the table shows all)")
+    parser.add_argument("--max-batch", type=int, default=64, help="largest per-chip batch tried (a power of two)")
+    parser.add_argument("--loss-chunks", type=int, default=8, help="cross-entropy slices (1 where seq_len "
+                        "does not divide)")
+    parser.add_argument("--results", default=str(ROOT / "docs" / "results" / "tpu_fit.jsonl"))
+    parser.add_argument("--doc", default=str(ROOT / "docs" / "tpu.md"))
+    parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results only")
+    args = parser.parse_args()
+    max_exp = args.max_batch.bit_length() - 1
+    results_path, doc = Path(args.results), Path(args.doc)
+    results = load(results_path)
+    full_command = f"python benchmarks/fit_table.py --max-batch {args.max_batch} --loss-chunks {args.loss_chunks}"
+    machine = f"a shared {os.cpu_count()}-core AMD EPYC VM, CPU only"
+
+    def refresh() -> None:  # the doc's table always covers the whole default grid (a run may do part of it)
+        presets = [*PRESETS, *(p for p in args.presets if p not in PRESETS)]
+        slices = [*SLICES, *(s for s in args.slices if s not in SLICES)]
+        rows, missing = table(results, presets, slices, args.loss_chunks, args.max_batch)
+        write_doc(doc, rows, missing, full_command, machine)
+
+    def record(preset: str, slice_name: str, per_chip: int, loss_chunks: int) -> dict:
+        name = key(preset, slice_name, per_chip, loss_chunks)
+        if name not in results:
+            results[name] = compile_once(preset, slice_name, per_chip, loss_chunks)
+            results_path.parent.mkdir(parents=True, exist_ok=True)
+            with results_path.open("a") as f:
+                f.write(json.dumps(results[name]) + "\n")
+            r = results[name]
+            print(f"{preset} {slice_name} {per_chip}/chip: fits={r['fits']} "
+                  f"total={(r['total_bytes'] or 0) / GIB:.2f} GiB ({r['seconds']:.0f} s)", flush=True)
+            refresh()
+        return results[name]
+
+    refresh()
+    if args.table_only:
+        return
+    for preset in args.presets:  # cheapest first: small models, then small slices
+        for slice_name in args.slices:
+            largest_fitting(results, preset, slice_name, args.loss_chunks, max_exp, record)
+
+
+if __name__ == "__main__":
+    main()
