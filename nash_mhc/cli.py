@@ -39,6 +39,18 @@ def _flag_type(annotation: Any) -> Any:
     return float if float in args else args[0]
 
 
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _is_a(value: Any, kind: type) -> bool:
+    """Whether a config-file value has the type a flag of ``kind`` takes (an int is a fine float)."""
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float)
+    return isinstance(value, kind)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports errors as a single line (exit 2), without the usage block."""
 
@@ -111,10 +123,24 @@ class SettingsParser(OneLineParser):
             data = tomllib.loads(file.read_text()) if file.suffix == ".toml" else json.loads(file.read_text())
         except (ValueError, tomllib.TOMLDecodeError) as error:
             self.error(f"cannot parse config file {path}: {error}")
+        if not isinstance(data, dict):
+            self.error(f"config file {path} must hold a table of flag values, not a {type(data).__name__}")
         values = {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
         unknown = sorted(set(values) - set(self.owner) - {"config"})
         if unknown:
             self.error(f"unknown key(s) in {path}: {', '.join(unknown)}")
+        actions = {action.dest: action for action in self._actions}
+        for dest, value in values.items():
+            action = actions.get(dest)
+            if action is None:
+                continue
+            kind = action.type if action.nargs != 0 else bool
+            name = dest.replace("_", "-")
+            if not _is_a(value, kind or str):
+                self.error(f"{name} in {path} must be {_KIND_NAMES.get(kind or str, 'a value')}, got "
+                           f"{json.dumps(value) if not isinstance(value, dict) else 'a table'}")
+            if action.choices is not None and value not in action.choices:
+                self.error(f"{name} in {path} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
         return values
 
 
@@ -151,6 +177,8 @@ class Checkpoint:
                                        "inside it")
     step: int | None = setting(None, "checkpoint step to load (default: the latest)")
     untrained: bool = setting(False, "use the run's step-0 initialisation instead (the baseline to compare with)")
+    tokenizer: str | None = setting(None, "tokenizer to use instead of the one the run recorded (e.g. when it was "
+                                          "given by a path that has moved); must have the same vocabulary size")
 
     def __post_init__(self) -> None:
         if self.step is not None and self.step < 0:

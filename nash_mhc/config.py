@@ -9,6 +9,7 @@ Dimension letters used across the package:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar, TypeVar
 
 from nash_mhc.settings import setting
@@ -130,11 +131,13 @@ class ModelConfig(ConfigMethods):
             fail(f"num_heads={self.num_heads} must divide d_model={self.d_model}")
         if (self.d_model // self.num_heads) % 2:
             fail(f"head dim d_model/num_heads={self.d_model // self.num_heads} must be even for RoPE")
-        for name in ("nash_temperature", "norm_eps"):
+        for name in ("nash_temperature", "norm_eps", "rope_theta"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
                 fail(f"{name} must be a finite number > 0, got {value!r}")
-        if self.sparsity_weight < 0:
+        if not isinstance(self.hc_identity_logit, int | float) or not math.isfinite(self.hc_identity_logit):
+            fail(f"hc_identity_logit must be a finite number, got {self.hc_identity_logit!r}")
+        if not self.sparsity_weight >= 0:  # NaN fails too
             fail(f"sparsity_weight must be >= 0, got {self.sparsity_weight}")
         if self.ffn_hidden < 0:
             fail(f"ffn_hidden must be >= 0 (0 = derived), got {self.ffn_hidden}")

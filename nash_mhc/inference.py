@@ -50,13 +50,16 @@ class LoadedModel:
         return int(self.meta.get("train_config", {}).get("seed", 0))
 
 
-def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool = False) -> LoadedModel:
+def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool = False,
+               tokenizer: str | None = None) -> LoadedModel:
     """Restore the model of a training run's checkpoint onto the first device (a one-device mesh).
 
     ``checkpoint_dir`` is a run directory (its latest step, or ``step``) or one step directory inside it.
     ``untrained=True`` returns the run's initialisation instead (same config and seed as its step 0), the
-    baseline an evaluation compares against. Raises :class:`CheckpointError` (a ``ValueError``) with a
-    one-line message when the directory holds no usable checkpoint.
+    baseline an evaluation compares against. ``tokenizer`` replaces the one the run recorded (same vocabulary
+    size required; for a run whose tokenizer was given by a path that no longer resolves). Raises
+    :class:`CheckpointError` (a ``ValueError``) with a one-line message when the directory holds no usable
+    checkpoint.
     """
     directory, dir_step = find_checkpoint(checkpoint_dir)
     if step is None:
@@ -73,9 +76,14 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
         try:
             model_config = ModelConfig.from_dict(meta["model_config"])
             train_config = TrainConfig.from_dict(meta["train_config"])
+            if tokenizer is not None:
+                meta = {**meta, "data": {**meta["data"], "tokenizer": tokenizer}}
             tokenizer = get_tokenizer(meta["data"]["tokenizer"])
         except (KeyError, TypeError) as error:
             raise CheckpointError(f"checkpoint metadata at {directory}/{step} lacks {error}") from error
+        if tokenizer.vocab_size != model_config.vocab_size:
+            raise CheckpointError(f"tokenizer {meta['data']['tokenizer']} has {tokenizer.vocab_size} ids, the model "
+                                  f"at {directory}/{step} was trained with {model_config.vocab_size}")
         key = jax.random.key(train_config.seed)
         mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
         if untrained:
@@ -103,4 +111,5 @@ def load_from_flags(parser: SettingsParser, argv: list[str] | None, settings: ty
     checkpoint, config = parser.build(Checkpoint, given), parser.build(settings, given)
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
     parser.build(CompileCache, given).use()
-    return config, load_model(checkpoint.checkpoint_dir, step=checkpoint.step, untrained=checkpoint.untrained)
+    return config, load_model(checkpoint.checkpoint_dir, step=checkpoint.step, untrained=checkpoint.untrained,
+                              tokenizer=checkpoint.tokenizer)

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Float, Int, jaxtyped
 
@@ -116,6 +117,17 @@ class Block(eqx.Module):
         return tokens.reshape(batch, seq, n, dim), BlockStats(*found["stats"], res)
 
 
+def _check_token_ids(tokens: jax.Array, vocab_size: int) -> None:
+    """ValueError if concrete ``tokens`` hold an id outside ``[0, vocab_size)`` (tracers are not checked)."""
+    if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
+        return
+    ids = np.asarray(tokens)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
 class LanguageModel(eqx.Module):
     """Decoder-only Nash-MHC language model on tokens [T] or a batch [B, T] (``jax.vmap`` also works).
 
@@ -169,7 +181,13 @@ class LanguageModel(eqx.Module):
 
         A batch runs natively: token-wise layers see all B·T tokens at once, so each weight gradient is
         one matmul (``jax.vmap`` over single sequences gives the same numbers, more slowly on CPU).
+
+        Token ids must lie in ``[0, vocab_size)``: a concrete array outside it raises ValueError (a gather
+        would silently clamp or read padding rows). The check reads the ids on the host, so it runs only on
+        eager calls and costs one device→host copy of the ids there; traced calls (``jit``, the train step)
+        skip it, as their ids come from a tokenizer or the data pipeline, whose ids are in range.
         """
+        _check_token_ids(tokens, self.config.vocab_size)
         if tokens.ndim == 1:
             out = self(tokens[None], return_residual_maps=return_residual_maps)
             return jax.tree.map(lambda a: a[0], out)

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         hardware.initialize_distributed()
         cache.use()  # a local directory or a bucket (gs://...)
         session = loop.prepare(run_configs)
-    except (ValueError, FileNotFoundError, PermissionError) as error:
+    except (ValueError, OSError) as error:  # bad input, or a filesystem that refuses it
         return fail(error)
     return loop.train(session)
 

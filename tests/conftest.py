@@ -45,3 +45,10 @@ def fresh_jax_caches() -> object:
     the full suite crashed once (SIGSEGV inside XLA's CPU compiler, in test_step) with all of them alive."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """One persistent XLA compilation cache for the training-program subprocesses of every test module, so a
+    step compiled for one module's runs is not compiled again for another's."""
+    return tmp_path_factory.mktemp("xla_cache")

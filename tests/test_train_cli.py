@@ -30,11 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE = ["--lr-schedule-steps", "40", "--warmup-steps", "4", "--learning-rate", "3e-3"]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("xla_cache")
-
-
 def command(*args: str, cache: Path, model: str = "tiny") -> list[str]:
     return [sys.executable, "-m", "nash_mhc.train", "--model", model, "--no-progress", "--log-interval", "1",
             "--compile-cache-dir", str(cache), *args]

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     given = parser.given(argv)
     try:
         index = prepare_shards(parser.build(DataConfig, given), parser.build(PrepareConfig, given))
-    except (ValueError, FileNotFoundError, PermissionError) as error:
+    except (ValueError, OSError) as error:  # bad input, or a filesystem that refuses the output
         return fail(error)
     summary = {part: {k: v for k, v in entry.items() if k != "file"} for part, entry in index["splits"].items()}
     print(json.dumps({"out": str(given["out"]), "tokenizer": index["tokenizer"]["name"], "dtype": index["dtype"],

@@ -11,6 +11,8 @@ URIs (``gs://bucket/run``): they go through :mod:`nash_mhc.paths` (etils.epath),
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
 from typing import Any
 
 import equinox as eqx
@@ -81,10 +83,17 @@ class Checkpointer:
     def __init__(self, directory: paths.PathLike, *, max_to_keep: int | None = 3, async_save: bool = True,
                  read_only: bool = False):
         self.directory = paths.as_path(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                               create=not read_only, read_only=read_only,
-                                               cleanup_tmp_directories=not read_only)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        absl = logging.getLogger("absl")
+        level = absl.level
+        if read_only:  # Orbax warns that a read-only manager saves nothing: expected here
+            absl.setLevel(max(level, logging.ERROR))
+        try:
+            options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+                                                   create=not read_only, read_only=read_only,
+                                                   cleanup_tmp_directories=not read_only)
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        finally:
+            absl.setLevel(level)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -121,6 +130,7 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except Exception as error:  # noqa: BLE001
+            _quiet_abandoned_reads()
             raise CheckpointError(f"cannot restore checkpoint {self.directory}/{step}: "
                                   f"{type(error).__name__}: {str(error).splitlines()[0][:200]}") from error
         arrays = dict(restored["state"])
@@ -132,6 +142,23 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _quiet_abandoned_reads() -> None:
+    """After a failed restore, TensorStore completes the reads Orbax abandoned and their callbacks find Orbax's
+    event loop closed; Python reports each as an "unraisable" RuntimeError with a traceback. Drop exactly
+    those (a failed restore is already reported in one line); anything else goes to the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "nash_mhc_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is "
+                                                                                                "closed"):
+            previous(unraisable)
+
+    hook.nash_mhc_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def find_checkpoint(path: paths.PathLike) -> tuple[paths.Path, int | None]:

@@ -16,6 +16,8 @@ from nash_mhc.settings import (
     setting,
 )
 
+SEED = (lambda v: NON_NEGATIVE_INT[0](v) and v < 2**63, "must be an integer in [0, 2**63)")  # jax.random.key's range
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(ConfigMethods):
@@ -46,7 +48,7 @@ class TrainConfig(ConfigMethods):
     beta2: float = setting(0.95, "AdamW beta2", check=between(0, 1, high_open=True))
     eps: float = setting(1e-8, "AdamW epsilon", check=POSITIVE)
     grad_clip: float = setting(1.0, "global gradient-norm clip (0 disables)", check=NON_NEGATIVE)
-    seed: int = setting(0, "seed of initialisation and data order", check=NON_NEGATIVE_INT)
+    seed: int = setting(0, "seed of initialisation and data order", check=SEED)
     remat: str | None = setting(None, choices=REMAT_POLICIES)
 
     def __post_init__(self) -> None:
@@ -77,6 +79,8 @@ class RunConfig:
     max_checkpoints: int = setting(3, "checkpoints to keep", check=POSITIVE_INT)
     resume_from: str | None = setting(None, "checkpoint directory (or step directory) to resume from")
     init_from: str | None = setting(None, "start from another run's weights with a fresh optimizer")
+    allow_data_change: bool = setting(False, "resume although the tokenizer, dataset or learning-rate schedule "
+                                             "differ from the checkpoint's (each difference is printed)")
     log_interval: int = setting(10, "steps between metric log lines", check=POSITIVE_INT)
     eval_interval: int = setting(0, "steps between evaluations (0: never)", check=NON_NEGATIVE_INT)
     eval_steps: int = setting(4, "batches per evaluation", check=POSITIVE_INT)

@@ -10,9 +10,11 @@ and a SIGTERM/SIGINT (finish the step, save, exit 0) are hooks between steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -20,6 +22,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from nash_mhc import hardware, paths
@@ -30,9 +33,19 @@ from nash_mhc.training.checkpoint import Checkpointer, CheckpointError, config_d
 from nash_mhc.training.config import RunConfig, TrainConfig
 from nash_mhc.training.evaluation import evaluate
 from nash_mhc.training.logger import RunLogger
+from nash_mhc.training.optim import make_schedule
+from nash_mhc.training.resume import (
+    SCHEDULE_FIELDS,
+    absolute_spec,
+    identity_differences,
+    restore_newest,
+    run_identity,
+    set_aside,
+)
+from nash_mhc.training.run_lock import RunLock
 from nash_mhc.training.state import Batch, TrainState, init_train_state
 from nash_mhc.training.step import train_step
-from nash_mhc.training.throughput import device_peak, mfu
+from nash_mhc.training.throughput import MFUMeter
 
 EXIT_OK, EXIT_NONFINITE = 0, 3
 
@@ -59,8 +72,11 @@ class Session:
     tokenizer: Tokenizer
     checkpointer: Checkpointer
     logger: RunLogger
-    peak_flops: float
+    meter: MFUMeter
     summary: list[str]
+    lock: RunLock | None
+    identity: dict[str, Any]  # the data and schedule this run trains on (resume.run_identity)
+    last_saved: int | None  # the newest checkpoint step in the directory (None: none yet)
 
     def host_batch(self, step: int) -> np.ndarray:
         """This process's rows of the global batch of ``step``."""
@@ -72,23 +88,98 @@ class Session:
         model, train, data = self.configs.model, self.configs.train, self.configs.data
         return {"step": step, "rng": {"seed": train.seed}, "model_config": model.to_dict(),
                 "train_config": train.to_dict(), "mesh": dict(self.state.mesh.shape), "jax_version": jax.__version__,
-                "data": {"dataset": data.dataset, "tokenizer": data.tokenizer, "next_step": step,
+                "run": self.identity,
+                "data": {"dataset": absolute_spec(data.dataset), "tokenizer": absolute_spec(data.tokenizer),
+                         "next_step": step,
                          "dataset_name": data.dataset_name, "split": data.dataset_split, "text_field": data.text_field,
                          "max_stream_tokens": data.max_stream_tokens, "samples_seen": step * train.batch_size}}
 
 
-def _open_checkpoint(path: str) -> tuple[Checkpointer, int, dict[str, Any]]:
-    """The read-only checkpointer, step and metadata behind ``--resume-from``/``--init-from``."""
+def _source(path: str) -> tuple[Checkpointer, list[int]]:
+    """The read-only checkpointer and candidate steps behind ``--resume-from``/``--init-from``: the one step a
+    step directory names, or every complete step of a run directory (newest first is tried first)."""
     directory, step = find_checkpoint(path)
     source = Checkpointer(directory, read_only=True)
-    step = source.latest_step() if step is None else step
-    if step is None:
+    steps = [step] if step is not None else source.all_steps()
+    if not steps:
+        source.close()
         raise CheckpointError(f"no complete checkpoint found in {directory}")
-    return source, step, source.read_meta(step)
+    return source, steps
+
+
+def _check_directory(directory: paths.Path) -> None:
+    """One-line errors, before any work, for a ``--checkpoint-dir`` that cannot be a directory (a file, or under
+    one) or cannot be created (read-only filesystem, no permission): a missing one is created and removed."""
+    if paths.is_remote(directory):
+        return
+    missing = []
+    for parent in (directory, *directory.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise CheckpointError(f"--checkpoint-dir {directory}: {parent} is a file, not a directory")
+            break
+        missing.append(parent)
+    if missing and jax.process_index() == 0:  # one probe per run (the hosts may share the filesystem)
+        _make_directory(directory)
+        for created in missing:  # deepest first: nothing is left behind
+            with contextlib.suppress(OSError):
+                created.rmdir()
+
+
+def _make_directory(directory: paths.Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(f"cannot create --checkpoint-dir {directory}: {error.strerror or error}") from None
+
+
+def _lock(directory: paths.Path) -> RunLock | None:
+    """Process 0 holds the directory's lock (every host of one run shares it)."""
+    if jax.process_index() != 0:
+        return None
+    try:
+        return RunLock(directory)
+    except OSError as error:
+        raise CheckpointError(f"cannot write to --checkpoint-dir {directory}: {error.strerror or error}") from None
+
+
+def _restore(configs: Configs, identity: dict[str, Any], state: TrainState, source: Checkpointer,
+             steps: list[int], resume: bool) -> tuple[int, dict[str, Any], TrainState, list[str]]:
+    """Restore the newest of ``steps`` that reads, fits this run's model (else CheckpointError at once) and, when
+    resuming, its data and schedule (unless ``--allow-data-change``); returns (step, meta, state, notes)."""
+    model_config, notes = configs.model, []
+
+    def attempt(step: int) -> tuple[dict[str, Any], TrainState]:
+        meta = source.read_meta(step)
+        saved = meta.get("model_config", {})
+        differ = config_differences(saved, model_config)
+        if differ:
+            detail = ", ".join(f"{k}: checkpoint {saved[k]!r} vs now {getattr(model_config, k)!r}" for k in differ)
+            raise ValueError(f"model config differs from the checkpoint's ({detail})")
+        if resume:
+            changes = identity_differences(meta.get("run", {}), identity)
+            if changes and not configs.run.allow_data_change:
+                raise ValueError(f"the run differs from checkpoint step {step}'s ({'; '.join(changes)}); pass "
+                                 "--allow-data-change to resume anyway")
+            if changes:
+                notes.append(f"warning: resuming with changes allowed by --allow-data-change: {'; '.join(changes)}")
+                before = TrainConfig.from_dict(meta["train_config"])
+                if any(getattr(before, k) != getattr(configs.train, k) for k in SCHEDULE_FIELDS):
+                    notes.append(f"learning rate at step {step}: {float(make_schedule(before)(step)):.4g} before, "
+                                 f"{float(make_schedule(configs.train)(step)):.4g} now")
+        return meta, source.restore(step, state)
+
+    step, (meta, restored), skipped = restore_newest(steps, attempt, str(source.directory))
+    if skipped:
+        notes.insert(0, f"warning: skipped checkpoint {'; '.join(skipped)}; it is left in place")
+    return step, meta, restored, notes
 
 
 def prepare(configs: Configs) -> Session:
-    """Build mesh, data, state (fresh or restored) and outputs; raises ValueError on bad input."""
+    """Build mesh, data, state (fresh or restored) and outputs; raises ValueError on bad input.
+
+    Nothing is created in ``--checkpoint-dir`` until every check has passed; an existing directory is locked
+    (:class:`RunLock`) before it is read, so two runs never share it."""
     model_config, train_config, data_config, mesh_config, run = configs
     devices = hardware.init_devices()  # HardwareError (a ValueError) when JAX_PLATFORMS cannot be honoured
     mesh = mesh_config.make()
@@ -98,34 +189,60 @@ def prepare(configs: Configs) -> Session:
     if train_config.batch_size % jax.process_count():
         raise ValueError(f"{train_config.batch_size} sequences per update are not divisible by the "
                          f"{jax.process_count()} processes")
+    directory = paths.as_path(run.checkpoint_dir)  # a local path or a bucket URI (gs://...)
+    _check_directory(directory)
     tokenizer = data_config.load_tokenizer()
     train_data, eval_data = (open_windows(data_config, part, tokenizer, model_config.seq_len, train_config.seed)
                              for part in ("train", "eval"))
     model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
     configs = configs._replace(model=model_config)
+    identity = run_identity(data_config, tokenizer, train_config)
 
-    directory = paths.as_path(run.checkpoint_dir)  # a local path or a bucket URI (gs://...)
-    checkpointer = Checkpointer(directory, max_to_keep=run.max_checkpoints)
-    resume = _open_checkpoint(run.resume_from) if run.resume_from else None
-    if resume is None and checkpointer.latest_step() is not None:
-        resume = (checkpointer, checkpointer.latest_step(), checkpointer.read_meta(checkpointer.latest_step()))
-    source = resume or (_open_checkpoint(run.init_from) if run.init_from else None)
-    if source is not None:
-        saved = source[2].get("model_config", {})
-        differ = config_differences(saved, model_config)
-        if differ:
-            detail = ", ".join(f"{k}: checkpoint {saved[k]!r} vs now {getattr(model_config, k)!r}" for k in differ)
-            raise CheckpointError(f"model config differs from the checkpoint's ({detail})")
+    lock, source = (_lock(directory) if directory.exists() else None), None
+    try:
+        own = Checkpointer(directory, read_only=True) if directory.exists() else None
+        own_steps = own.all_steps() if own is not None else []
+        if run.resume_from:
+            source, steps = _source(run.resume_from)
+        elif own_steps:
+            source, steps, own = own, own_steps, None
+        elif run.init_from:
+            source, steps = _source(run.init_from)
+        if own is not None:
+            own.close()
+        resume = bool(run.resume_from) or bool(own_steps)
+        state = init_train_state(model_config, train_config, mesh, key=jax.random.key(train_config.seed))
+        start_step, notes = 0, []
+        if source is not None:
+            step, meta, restored, notes = _restore(configs, identity, state, source, steps, resume)
+            source.close()
+            source = None
+            if resume:
+                state, start_step = restored, int(meta["step"])
+            else:
+                state = eqx.tree_at(lambda s: s.model, state, restored.model)  # init: weights only
+        is_main = jax.process_index() == 0
+        _make_directory(directory)
+        if lock is None:
+            lock = _lock(directory)
+        if is_main:
+            aside = set_aside(directory, start_step, own_steps)
+            if aside is not None:
+                notes.append(f"set aside the checkpoints and metrics after step {start_step} in {aside}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
 
-    state = init_train_state(model_config, train_config, mesh, key=jax.random.key(train_config.seed))
-    start_step = int(resume[2]["step"]) if resume else 0
-    if source is not None:
-        restored = source[0].restore(source[1], state)
-        state = restored if resume else eqx.tree_at(lambda s: s.model, state, restored.model)  # init: weights only
-    is_main = jax.process_index() == 0
+            multihost_utils.sync_global_devices("nash_mhc set aside")
+        checkpointer = Checkpointer(directory, max_to_keep=run.max_checkpoints)
+    except BaseException:
+        if source is not None:
+            source.close()
+        if lock is not None:
+            lock.release()
+        raise
     logger = RunLogger(directory, enabled=is_main, total_steps=train_config.total_steps, start_step=start_step,
                        progress=run.progress)
-    peak, peak_source = device_peak()
+    meter = MFUMeter(model_config.flops_per_token(), len(jax.devices()), dtype=model_config.dtype)
     summary = [
         *hardware.summary_lines(devices),
         *sharding_summary(state.model, mesh),
@@ -134,17 +251,17 @@ def prepare(configs: Configs) -> Session:
         f"{model_config.seq_len}), accumulation steps: {train_config.grad_accum_steps}",
         f"data: {data_config.dataset} / {data_config.tokenizer}: {train_data.num_tokens:,} train tokens, "
         f"{eval_data.num_tokens:,} eval tokens",
-        f"peak FLOP/s per device: {peak / 1e9:,.1f} GFLOP/s ({peak_source})",
+        f"peak FLOP/s per device: {meter.peak().per_device / 1e9:,.1f} GFLOP/s ({meter.source})",
+        *notes,
         f"resuming from step {start_step}" if resume else
         (f"initialised from {run.init_from}" if run.init_from else "fresh start"),
     ]
     if is_main:
-        directory.mkdir(parents=True, exist_ok=True)
         resolved = {f"{name}_config": dataclasses.asdict(config) for name, config in configs._asdict().items()}
         (directory / "config.json").write_text(json.dumps({**resolved, "mesh": dict(mesh.shape)}, indent=2,
                                                           sort_keys=True) + "\n")
-    return Session(configs, state, start_step, train_data, eval_data, tokenizer, checkpointer, logger, peak,
-                   summary)
+    return Session(configs, state, start_step, train_data, eval_data, tokenizer, checkpointer, logger, meter,
+                   summary, lock, identity, start_step if resume else None)
 
 
 class Diverged(Exception):
@@ -153,7 +270,12 @@ class Diverged(Exception):
 
 class MetricsReader:
     """Reads each step's metrics one step late (the device is already busy with the next one), times the steps,
-    logs every ``--log-interval`` and raises :class:`Diverged` after too many non-finite steps in a row."""
+    logs every ``--log-interval`` and raises :class:`Diverged` after too many non-finite steps in a row.
+
+    Throughput counts training only: the first step (compilation) reports none, a log step is read as soon as
+    it completes (no later step in flight), so a window's time covers exactly its steps, and the clock
+    restarts after every pause that is not a step (checkpoint, evaluation, the MFU probe). Tokens/s and MFU
+    come from the session's :class:`MFUMeter`, the definition the benchmarks use."""
 
     def __init__(self, session: Session) -> None:
         self.session, self.pending = session, None
@@ -163,8 +285,14 @@ class MetricsReader:
         self.restart_clock()
 
     def restart_clock(self) -> None:
-        """Start timing afresh (after a pause that is not training: evaluation)."""
+        """Start timing afresh (after a pause that is not training: a checkpoint, an evaluation)."""
         self.last = time.perf_counter()
+
+    def logs(self, step: int) -> bool:
+        """Whether ``step`` gets a log line (every ``--log-interval``, the first and the last step)."""
+        session = self.session
+        return (step % session.configs.run.log_interval == 0 or step == session.configs.train.total_steps
+                or step == session.start_step + 1)
 
     def push(self, step: int, metrics: dict[str, jax.Array]) -> None:
         """Hold the metrics of ``step`` (just dispatched) and read those of the step before."""
@@ -189,21 +317,28 @@ class MetricsReader:
             self.window_time, self.window_steps = self.window_time + elapsed, self.window_steps + 1
         finite = math.isfinite(values["loss"]) and not values.get("skipped", 0.0)  # skipped: grads non-finite
         self.nonfinite = 0 if finite else self.nonfinite + 1
-        if step % run.log_interval == 0 or step == session.configs.train.total_steps or \
-                step == session.start_step + 1:
-            self._log(step, values, self.window_time / self.window_steps if self.window_steps else elapsed)
+        if self.logs(step):
+            self._log(step, values)
         if self.nonfinite >= run.max_nonfinite_steps:
+            kept = (f"the newest checkpoint is step {session.last_saved}, the last finite one" if session.last_saved
+                    is not None else "no checkpoint was saved")
             raise Diverged(f"error: loss or gradients were not finite for {self.nonfinite} steps in a row (last at "
-                           f"step {step}); stopping without saving")
+                           f"step {step}); stopping: {kept}")
 
-    def _log(self, step: int, values: dict[str, float], step_time: float) -> None:
+    def _log(self, step: int, values: dict[str, float]) -> None:
         session, model = self.session, self.session.configs.model
-        tokens_per_second = session.configs.train.batch_size * model.seq_len / step_time
-        utilisation = mfu(tokens_per_second, model.flops_per_token(), session.peak_flops, len(jax.devices()))
-        session.logger.write({"step": step, **{k: v for k, v in values.items() if k != "tokens"},
-                              "tokens_per_second": tokens_per_second, "mfu": utilisation, "step_time_s": step_time})
-        session.logger.progress(step, values["loss"], tokens_per_second)
+        figures = {"tokens_per_second": math.nan, "mfu": math.nan, "step_time_s": math.nan}
+        if self.window_steps:
+            probe_device = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("probe",))  # not the run's mesh
+            with jax.set_mesh(probe_device):
+                session.meter.sample()  # the probe shares the device: taken between steps, off the clock
+            figures = session.meter.report(session.configs.train.batch_size * model.seq_len,
+                                           self.window_time / self.window_steps)
+            del figures["peak_flops_per_device"]
+        session.logger.write({"step": step, **{k: v for k, v in values.items() if k != "tokens"}, **figures})
+        session.logger.progress(step, values["loss"], figures["tokens_per_second"])
         self.window_time = self.window_steps = 0.0
+        self.restart_clock()
 
 
 class StopSignal:
@@ -215,7 +350,11 @@ class StopSignal:
         return self
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        if self.received is not None:  # a second signal: stop now, as without a handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
         self.received = signum
+        print("stopping after this step (send the signal again to stop at once)", file=sys.stderr, flush=True)
 
     def requested(self, step: int) -> bool:
         return self.received is not None or _preemption_reached(step)
@@ -244,6 +383,22 @@ def eval_record(session: Session, state: TrainState) -> dict[str, float]:
             "eval_bpb": result.bits_per_byte}
 
 
+@jax.jit
+def _all_finite(arrays: list[jax.Array]) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays]))
+
+
+def _save_if_finite(session: Session, step: int, state: TrainState, metrics: MetricsReader) -> None:
+    """Save ``state`` at ``step`` unless a non-finite streak is running or the state itself is not finite, so
+    rotation (``--max-checkpoints``) never deletes a good checkpoint to keep a broken one."""
+    arrays = [a for a in jax.tree.leaves(eqx.filter(state, eqx.is_inexact_array))]
+    if metrics.nonfinite or not bool(_all_finite(arrays)):
+        session.logger.message(f"step {step}: not saving a checkpoint, the loss or the state is not finite")
+        return
+    session.checkpointer.save(step, state, session.meta(step))
+    session.last_saved = step
+
+
 def train(session: Session) -> int:
     """Run from ``session.start_step`` to ``total_steps``; returns the process exit code."""
     run, end, logger = session.configs.run, session.configs.train.total_steps, session.logger
@@ -257,10 +412,13 @@ def train(session: Session) -> int:
                 state, step_metrics = train_step(state, Batch(tokens=batches.next()[1]))
                 step += 1
                 metrics.push(step, step_metrics)
+                if metrics.logs(step):  # read now: the window's time then covers exactly its steps
+                    metrics.flush()
                 stopping = stop.requested(step)
                 if step % run.checkpoint_interval == 0 or stopping or step == end:
                     metrics.flush()
-                    session.checkpointer.save(step, state, session.meta(step))
+                    _save_if_finite(session, step, state, metrics)
+                    metrics.restart_clock()
                 if run.eval_interval and step % run.eval_interval == 0:
                     metrics.flush()
                     logger.write({"step": step, **eval_record(session, state)})
@@ -277,6 +435,8 @@ def train(session: Session) -> int:
         session.checkpointer.wait()
         logger.close()
         session.checkpointer.close()
+        if session.lock is not None:
+            session.lock.release()
     if session.start_step >= end:
         print(f"nothing to do: the checkpoint is at step {session.start_step} >= total steps {end}", file=sys.stderr)
     return EXIT_OK
