@@ -163,6 +163,13 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [by_step[step] for step in sorted(by_step)]
 
 
+
+def _median_step_time(records: list[dict[str, Any]]) -> float | None:
+    """Median seconds per step over the logged steps that timed one (a session's first step is its compile and
+    logs none)."""
+    times = [r["step_time_s"] for r in records if r.get("step_time_s") is not None]
+    return float(np.median(times)) if times else None
+
 def summarise(settings: Settings, run: Run, directory: Path, evaluation: dict[str, Any] | None,
               status: str) -> dict[str, Any]:
     """The run's ``result.json``: its held-out evaluation, curve, size, cost and wall time."""
@@ -182,7 +189,7 @@ def summarise(settings: Settings, run: Run, directory: Path, evaluation: dict[st
         "last_step": records[-1]["step"] if records else 0,
         "params": config.num_params(), "flops_per_token": config.flops_per_token(),
         "tokens_trained": settings.steps * int(resolved["train_config"]["batch_size"]) * config.seq_len,
-        "step_time_s": float(np.median([r["step_time_s"] for r in records])) if records else None,
+        "step_time_s": _median_step_time(records),
         "wall_s": sum(s["wall_s"] for s in sessions), "sessions": len(sessions),
         "curve": [[r["step"], r["loss"]] for r in records],
     }
