@@ -127,10 +127,10 @@ class Checkpointer:
         """Restore the state at ``step`` onto the shardings of ``template`` (arrays or ShapeDtypeStructs)."""
         target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
                   for k, v in state_arrays(template).items()}
+        _quiet_abandoned_reads()  # before the restore: a failing read's callbacks may fire while it unwinds
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except Exception as error:  # noqa: BLE001
-            _quiet_abandoned_reads()
             raise CheckpointError(f"cannot restore checkpoint {self.directory}/{step}: "
                                   f"{type(error).__name__}: {str(error).splitlines()[0][:200]}") from error
         arrays = dict(restored["state"])
@@ -145,9 +145,10 @@ class Checkpointer:
 
 
 def _quiet_abandoned_reads() -> None:
-    """After a failed restore, TensorStore completes the reads Orbax abandoned and their callbacks find Orbax's
-    event loop closed; Python reports each as an "unraisable" RuntimeError with a traceback. Drop exactly
-    those (a failed restore is already reported in one line); anything else goes to the previous hook."""
+    """Installed before each restore (idempotent). After a failed restore, TensorStore completes the reads
+    Orbax abandoned and their callbacks find Orbax's event loop closed; Python reports each as an "unraisable"
+    RuntimeError with a traceback. Drop exactly those (a failed restore is already reported in one line);
+    anything else goes to the previous hook."""
     previous = sys.unraisablehook
     if getattr(previous, "nash_mhc_quiet", False):
         return
