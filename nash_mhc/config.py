@@ -46,9 +46,14 @@ class ConfigMethods:
 
     @classmethod
     def from_dict(cls: type[ConfigT], data: dict[str, Any]) -> ConfigT:
-        """Build from a dict (e.g. a checkpoint's JSON), ignoring keys that are not fields."""
+        """Build from a dict (e.g. a checkpoint's JSON). Missing keys take their defaults; a key that is not a field
+        (a checkpoint from another version, a typo) raises ValueError naming it."""
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no field {', '.join(map(repr, unknown))} (written by another "
+                             "version of nash_mhc?)")
+        return cls(**data)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,8 +83,10 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
             if tokenizer is not None:
                 meta = {**meta, "data": {**meta["data"], "tokenizer": tokenizer}}
             tokenizer = get_tokenizer(meta["data"]["tokenizer"])
-        except (KeyError, TypeError) as error:
+        except KeyError as error:
             raise CheckpointError(f"checkpoint metadata at {directory}/{step} lacks {error}") from error
+        except (TypeError, ValueError) as error:  # a field of another version, a value no config accepts
+            raise CheckpointError(f"checkpoint metadata at {directory}/{step}: {error}") from error
         if tokenizer.vocab_size != model_config.vocab_size:
             raise CheckpointError(f"tokenizer {meta['data']['tokenizer']} has {tokenizer.vocab_size} ids, the model "
                                   f"at {directory}/{step} was trained with {model_config.vocab_size}")

@@ -35,6 +35,7 @@ import tarfile
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from nash_mhc.cli import OneLineParser, fail
 
@@ -176,10 +177,27 @@ def _checkpoint_dir(train_args: Sequence[str]) -> str | None:
     return value
 
 
+def check_train_flags(train_args: Sequence[str]) -> None:
+    """Parse and check the training flags here, as every worker will, so a typo or a bad value is a one-line error
+    before any pod job starts (LaunchError). Checks that need the workers' devices or data happen there."""
+    from nash_mhc import train as train_module  # imports JAX: only for ``run``
+
+    def refuse(message: str) -> NoReturn:
+        raise LaunchError(f"the training flags: {message}")
+
+    parser = train_module.build_parser()
+    parser.error = refuse  # argparse's errors (unknown flag, bad value) as a LaunchError, not an exit
+    try:
+        train_module.configs(list(train_args), parser)
+    except ValueError as error:
+        refuse(str(error).splitlines()[0])
+
+
 def run_commands(args: argparse.Namespace) -> list[list[str]]:
     train_args = list(args.train_args)
     if train_args[:1] == ["--"]:
         train_args = train_args[1:]
+    check_train_flags(train_args)
     checkpoint_dir = _checkpoint_dir(train_args)
     if not args.allow_local_checkpoints and not (checkpoint_dir or "").startswith("gs://"):
         raise LaunchError("give the training program --checkpoint-dir gs://BUCKET/RUN: every worker writes its "

@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_train_cli import ROOT, SCHEDULE, environment, run_main, steps_saved
 
@@ -333,3 +334,90 @@ def test_checkpoints_record_local_paths_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert absolute_spec("tok/tokenizer.json") == str(tmp_path / "tok" / "tokenizer.json")
     assert absolute_spec("bytes") == "bytes" and absolute_spec("gs://b/x") == "gs://b/x"
+
+
+# --------------------------------------------------------------------------------- issue 16 item 11, the rest
+def word_level_tokenizer(path: Path) -> Path:
+    """A ``tokenizer.json`` with the byte tokenizer's vocabulary size (256 words + [UNK], then EOS and PAD
+    appended: 259 ids) but other ids: same model shape, other data."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(256)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.mark.slow
+def test_resuming_with_another_tokenizer_of_the_same_vocabulary_size_is_refused(trained, tmp_path, capsys):
+    from nash_mhc.data import get_tokenizer
+
+    tokenizer = word_level_tokenizer(tmp_path / "tokenizer.json")
+    assert get_tokenizer(str(tokenizer)).vocab_size == 259  # the checkpoint's model fits it
+    before = sorted(str(p) for p in trained.rglob("*"))
+    code, err = run_main([*BASE[2:], "--checkpoint-dir", str(trained), "--tokenizer", str(tokenizer),
+                          "--total-steps", "6"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "tokenizer: 'bytes' then, 'sha256:" in err and "--allow-data-change" in err
+    assert sorted(str(p) for p in trained.rglob("*")) == before
+
+
+def test_config_dicts_with_unknown_keys_are_refused():
+    from nash_mhc import ModelConfig, TrainConfig
+
+    data = ModelConfig.preset("tiny").to_dict()
+    with pytest.raises(ValueError, match="ModelConfig has no field 'future_knob'"):
+        ModelConfig.from_dict({**data, "future_knob": 1})
+    with pytest.raises(ValueError, match="TrainConfig has no field 'batch_sise'"):
+        TrainConfig.from_dict({"batch_sise": 8})
+    assert ModelConfig.from_dict(data) == ModelConfig.preset("tiny")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_with_an_unknown_model_field_is_refused_by_resume_generate_and_evaluate(trained, tmp_path,
+                                                                                               capsys):
+    from nash_mhc.evaluate import main as evaluate_main
+    from nash_mhc.generate import main as generate_main
+
+    other = copy(trained, tmp_path / "run")
+    for meta_file in other.glob("*/meta/metadata"):  # as a later version with one more field would write it
+        meta = json.loads(meta_file.read_text())
+        meta["model_config"]["future_knob"] = 1
+        meta_file.write_text(json.dumps(meta))
+    code, err = run_main([*BASE[2:], "--checkpoint-dir", str(other), "--total-steps", "6"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "future_knob: checkpoint 1 vs now" in err, err
+    for program in (generate_main, evaluate_main):
+        assert program(["--checkpoint-dir", str(other), "--compile-cache-dir", "none"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "ModelConfig has no field 'future_knob'" in err, err
+
+
+@pytest.mark.parametrize("train_args, message", [
+    (["--batch-sise", "8"], "the training flags: unrecognized arguments: --batch-sise 8"),
+    (["--learning-rate", "-1"], "the training flags: --learning-rate must be > 0"),
+    (["--model", "huge"], "the training flags: unknown model preset 'huge'"),
+])
+def test_launch_run_checks_the_training_flags_before_starting_a_job(capsys, train_args, message):
+    from nash_mhc import launch
+
+    argv = ["run", "--name", "pod", "--zone", "us-east5-b", "--dry-run", "--", "--checkpoint-dir", "gs://b/run"]
+    assert launch.main([*argv, *train_args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"error: {message}"), captured
+    assert len(captured.err.strip().splitlines()) == 1
+    assert launch.main([*argv, "--model", "tiny", "--batch-size", "16"]) == 0
+    assert "--batch-size 16" in capsys.readouterr().out
+
+
+def test_a_binary_txt_file_is_read_with_a_warning_naming_it(tmp_path, capsys):
+    from nash_mhc.data import prepare
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "good.txt").write_text("plain text, nothing odd. " * 200)
+    (corpus / "blob.txt").write_bytes(np.random.default_rng(0).integers(0, 256, 20_000, dtype=np.uint8).tobytes())
+    assert prepare.main(["--dataset", str(corpus), "--out", str(tmp_path / "shards")]) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "blob.txt is not UTF-8 text" in warnings[0], err  # once, for that file only

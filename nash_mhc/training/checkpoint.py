@@ -71,10 +71,12 @@ def with_arrays(template: PyTree, arrays: dict[str, Any]) -> PyTree:
 
 
 def config_differences(saved: dict[str, Any], current: ModelConfig) -> list[str]:
-    """Names of the architecture fields whose values differ (runtime-only fields are ignored)."""
+    """Names of the architecture fields whose values differ, and of saved fields this version does not have
+    (runtime-only fields are ignored)."""
     runtime = {"remat"}
     now = dataclasses.asdict(current)
-    return sorted(k for k in now if k not in runtime and k in saved and saved[k] != now[k])
+    changed = [k for k in now if k not in runtime and k in saved and saved[k] != now[k]]
+    return sorted(changed + [k for k in saved if k not in now])
 
 
 class Checkpointer:

@@ -154,7 +154,8 @@ def _restore(configs: Configs, identity: dict[str, Any], state: TrainState, sour
         saved = meta.get("model_config", {})
         differ = config_differences(saved, model_config)
         if differ:
-            detail = ", ".join(f"{k}: checkpoint {saved[k]!r} vs now {getattr(model_config, k)!r}" for k in differ)
+            detail = ", ".join(f"{k}: checkpoint {saved[k]!r} vs now {getattr(model_config, k, 'no such field')!r}"
+                               for k in differ)
             raise ValueError(f"model config differs from the checkpoint's ({detail})")
         if resume:
             changes = identity_differences(meta.get("run", {}), identity)

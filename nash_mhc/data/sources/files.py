@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,13 +88,28 @@ def _parquet(path: Path, rel: str, field: str) -> Any:
     return file
 
 
+_WARNED: set[tuple[str, int]] = set()  # (file, size) already reported by decode_text
+
+
+def decode_text(rel: str, data: bytes) -> str:
+    """``data`` as UTF-8; bytes that are not UTF-8 become U+FFFD, and a file with any (a binary file named
+    ``.txt``, another encoding) is reported once per process on stderr."""
+    text = data.decode("utf-8", errors="replace")
+    replaced = text.count("\ufffd") - data.count("\ufffd".encode())
+    if replaced and (rel, len(data)) not in _WARNED:
+        _WARNED.add((rel, len(data)))
+        print(f"warning: {rel} is not UTF-8 text ({replaced} invalid byte sequences in {len(data)} bytes: a binary "
+              "file? another encoding?); each is read as U+FFFD", file=sys.stderr)
+    return text
+
+
 def read_file(rel: str, path: Path, field: str) -> Iterator[str | None]:
     """One file's documents in order (``None`` for a null text: it keeps its index)."""
     kind = file_kind(path)
     if kind == "txt":
         data = _read(path)
         if data:
-            yield data.decode("utf-8", errors="replace")
+            yield decode_text(rel, data)
     elif kind == "parquet":
         for batch in _parquet(path, rel, field).iter_batches(columns=[field], batch_size=1024):
             for text in batch.column(0).to_pylist():
