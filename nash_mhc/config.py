@@ -93,6 +93,8 @@ class ModelConfig(ConfigMethods):
     norm_eps: float = 1e-6
     hc_identity_logit: float = 4.0
     remat: str = setting("none", "rematerialisation policy of the layer scan", choices=REMAT_POLICIES)
+    remat_group: int = setting(1, "with --remat: layers per rematerialised group; the layer scan keeps only each "
+                                  "group's input for the backward pass (must divide num_layers)")
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         # Compiles in seconds on a laptop CPU; used by the test-suite.
@@ -123,6 +125,9 @@ class ModelConfig(ConfigMethods):
                 fail(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.nash_iters, int) or isinstance(self.nash_iters, bool) or self.nash_iters < 1:
             fail(f"nash_iters must be a positive integer, got {self.nash_iters!r}")
+        if not isinstance(self.remat_group, int) or isinstance(self.remat_group, bool) or self.remat_group < 1 \
+                or self.num_layers % self.remat_group:
+            fail(f"remat_group must be a positive divisor of num_layers = {self.num_layers}, got {self.remat_group!r}")
         if self.compression_ratio < 2:
             fail(f"compression_ratio must be >= 2, got {self.compression_ratio}")
         for name, value, allowed in (("residual", self.residual, RESIDUAL_MODES),

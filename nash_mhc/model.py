@@ -5,7 +5,7 @@ Dimension letters: T tokens, D d_model, n streams, L scales, V padded vocabulary
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -26,6 +26,22 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def grouped_scan(layer: Any, x: jax.Array, params: Any, group: int) -> tuple[jax.Array, Any]:
+    """``lax.scan(layer, x, params)`` as a scan over groups of ``group`` layers, each group rematerialised
+    whole: the backward pass keeps the input of every group (num_layers / group states) and, while it runs
+    through one group, that group's layer inputs (``group`` states). Two nested scans: compile time stays flat
+    in depth. ``params``' leaves are stacked [num_layers, ...]; the outputs come back stacked the same way."""
+    def regroup(a: jax.Array) -> jax.Array:
+        return a.reshape(a.shape[0] // group, group, *a.shape[1:])
+
+    @jax.checkpoint  # nothing inside a group is saved; its forward pass is rerun in the backward pass
+    def run_group(x: jax.Array, group_params: Any) -> tuple[jax.Array, Any]:
+        return jax.lax.scan(layer, x, group_params)
+
+    x, ys = jax.lax.scan(run_group, x, jax.tree.map(regroup, params))
+    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), ys)
 
 
 class ModelOutput(eqx.Module):
@@ -228,7 +244,10 @@ class LanguageModel(eqx.Module):
 
         if c.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[c.remat])
-        x, ys = jax.lax.scan(layer, x, params)
+        if c.remat != "none" and c.remat_group > 1:
+            x, ys = grouped_scan(layer, x, params, c.remat_group)
+        else:
+            x, ys = jax.lax.scan(layer, x, params)
         entropy, weights, residual, diag = ys[:4]  # [layers, B, T], [layers, B, L], [layers, B], [layers, B]
         h = self.collapse(x)
         maps = None

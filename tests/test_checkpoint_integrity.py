@@ -70,6 +70,7 @@ def test_a_nan_streak_keeps_the_good_checkpoint_and_a_resume_continues_from_it(t
     output = run("--total-steps", "12", "--learning-rate", "1e6", "--max-checkpoints", "2", "--max-nonfinite-steps",
                  "3", "--allow-data-change", "--checkpoint-dir", str(directory), cache=cache, expect=3)
     assert steps_saved(directory) == [2, 4]  # nothing from the streak, nothing rotated away
+    assert "not finite for 3 steps in a row" in output
     assert "the newest checkpoint is step 4, the last finite one" in output
     assert "learning rate at step 4: " in output and " before, " in output  # the schedule change, said
     output = run("--total-steps", "6", "--checkpoint-dir", str(directory), cache=cache)

@@ -195,10 +195,11 @@ def test_untied_head_and_bfloat16_compute():
 def test_remat_policies_do_not_change_results():
     batch = tokens(batch=2, seq=SEQ + 1)
     results = {}
-    for remat in ("none", "full", "dots"):
-        model = perturbed(LanguageModel(ModelConfig.preset("tiny", remat=remat), key=jax.random.key(0)))
-        results[remat] = value_and_grad(model, batch)
-    for remat in ("full", "dots"):
+    settings = {"none": {}, "full": {}, "dots": {}, "full-group": {"remat_group": 2}}  # tiny: 2 layers, 1 group
+    for name, extra in settings.items():
+        config = ModelConfig.preset("tiny", remat=name.split("-")[0], **extra)
+        results[name] = value_and_grad(perturbed(LanguageModel(config, key=jax.random.key(0))), batch)
+    for remat in ("full", "dots", "full-group"):
         np.testing.assert_allclose(float(results[remat][0]), float(results["none"][0]), rtol=1e-6)
         for a, b in zip(jax.tree.leaves(results[remat][1]), jax.tree.leaves(results["none"][1]), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

@@ -280,7 +280,8 @@ def describe_model(model_config: ModelConfig, train_config: TrainConfig) -> str:
     config = training_model_config(model_config, train_config)
     params = sum(config.param_counts().values())
     return (f"{params:,} parameters, d_model {config.d_model}, {config.num_layers} layers, "
-            f"{config.num_streams} streams, {config.dtype}, remat {config.remat}")
+            f"{config.num_streams} streams, {config.dtype}, remat {config.remat}"
+            + (f" in groups of {config.remat_group}" if config.remat != "none" and config.remat_group > 1 else ""))
 
 
 def check_fit(model_config: ModelConfig, train_config: TrainConfig, *, topology: str | None = None,
