@@ -202,6 +202,32 @@ def test_kill_inside_a_save_resumes_from_the_last_complete_step_and_reproduces_t
 
 
 @pytest.mark.slow
+def test_a_second_ctrl_c_stops_a_run_hung_in_a_save_at_once(tmp_path, cache_dir):
+    """The save of step 6 never finishes: the first SIGINT cannot end the run (it waits to save), the second
+    ends it at once, as Ctrl-C without a handler would (killed by SIGINT)."""
+    run, marker = tmp_path / "hung", tmp_path / "blocked"
+    argv = command("--total-steps", "40", "--checkpoint-interval", "1", "--checkpoint-dir", str(run), *SCHEDULE,
+                   cache=cache_dir)
+    proc = subprocess.Popen([sys.executable, "-c", BLOCK_INSIDE_SAVE, str(marker), *argv[3:]], env=environment(),
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not marker.exists() and proc.poll() is None:
+            time.sleep(0.02)
+        assert marker.exists(), f"the run never reached the save of step {BLOCKED_STEP} (exit {proc.poll()})"
+        proc.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)  # still waiting for the hung save
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == -signal.SIGINT
+        assert "send the signal again to stop at once" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
 def test_sharded_runs_match_one_device_and_resume_on_other_meshes(tmp_path, cache_dir, reference_run):
     """6 steps on (2,2,2) log the one-device run's losses (the reference run's first 6: same batches, same
     schedule); resumed on (1,8,1) and on one device, steps 7-8 agree."""
@@ -271,6 +297,7 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
     (["--learning-rate", "-1"], "--learning-rate must be > 0"),
     (["--batch-size", "16", "--total-batch-tokens", "512"], "--total-batch-tokens 512 is not a multiple of"),
     (["--eval-steps", "0"], "--eval-steps must be a positive integer, got 0"),
+    (["--lr-schedule-steps", "0"], "--lr-schedule-steps must be a positive integer, got 0"),
 ])
 def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys, argv, message):
     code, err = run_main([*argv, "--checkpoint-dir", str(tmp_path / "run")], capsys)
