@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checkpoints import write_checkpoint
 
 import nash_mhc
 from nash_mhc import LanguageModel, ModelConfig, TrainConfig
 from nash_mhc.decoding import Sampling, decode_step, init_cache, num_decode_traces, prefill, sample_token
 from nash_mhc.sharding import make_mesh
 from nash_mhc.training import init_train_state
-from nash_mhc.training.checkpoint import Checkpointer
 
 MODES = list(itertools.product(("mhc", "hc", "plain"), ("multiscale", "full"), ("nash", "convex")))
 # (compression ratio, seq_len, tokens fed): r=2 → blocks 1,2,4 (22 = 5·4 + 2: a trailing partial block);
@@ -202,12 +202,7 @@ def checkpoint(tmp_path_factory) -> str:
     train_config = TrainConfig(batch_size=8, total_steps=10, warmup_steps=1)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     state = init_train_state(model_config, train_config, mesh, key=jax.random.key(0))
-    meta = {"step": 0, "data": {"dataset": "synthetic", "tokenizer": "bytes"}, "rng": {"seed": 0},
-            "model_config": model_config.to_dict(), "train_config": train_config.to_dict()}
-    checkpointer = Checkpointer(directory)
-    checkpointer.save(0, state, meta)
-    checkpointer.wait()
-    checkpointer.close()
+    meta = write_checkpoint(directory, 0, state, model_config, train_config)
     (directory / "config.json").write_text(json.dumps(meta))
     return str(directory)
 

@@ -12,6 +12,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from checkpoints import write_checkpoint
 
 from nash_mhc import ModelConfig, TrainConfig, make_mesh
 from nash_mhc.data import ByteTokenizer
@@ -19,7 +20,6 @@ from nash_mhc.evaluate import main as evaluate_main
 from nash_mhc.generate import main as generate_main
 from nash_mhc.inference import load_model
 from nash_mhc.training import Batch, init_train_state, train_step
-from nash_mhc.training.checkpoint import Checkpointer
 
 MESH_8 = ["--mesh-data", "1", "--mesh-fsdp", "4", "--mesh-tp", "2"]  # not the training mesh: resharded on restore
 
@@ -39,12 +39,7 @@ def checkpoint(tmp_path_factory) -> str:
     with jax.set_mesh(mesh):
         for _ in range(6):
             state, _ = train_step(state, Batch(tokens=rows))
-    meta = {"step": 6, "data": {"dataset": "synthetic", "tokenizer": "bytes"}, "rng": {"seed": 0},
-            "model_config": model_config.to_dict(), "train_config": train_config.to_dict()}
-    checkpointer = Checkpointer(directory)
-    checkpointer.save(6, state, meta)
-    checkpointer.wait()
-    checkpointer.close()
+    write_checkpoint(directory, 6, state, model_config, train_config)
     return str(directory)
 
 
