@@ -21,6 +21,7 @@ from nash_mhc.layers.hyperconnection import HyperConnection
 from nash_mhc.layers.init import EMBED_STD, normal
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.multiscale import choice_mask
+from nash_mhc.sharding import constrain_batch
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -130,7 +131,7 @@ class Block(eqx.Module):
         tokens, res_attn = self.attn_hc(tokens, attention)
         tokens, res_ffn = self.ffn_hc(tokens, lambda u: self.ffn(self.ffn_norm(u)))
         res = jnp.stack([res_attn, res_ffn]).reshape(2, batch, seq, n, n)
-        return tokens.reshape(batch, seq, n, dim), BlockStats(*found["stats"], res)
+        return constrain_batch(tokens.reshape(batch, seq, n, dim)), BlockStats(*found["stats"], res)
 
 
 def _check_token_ids(tokens: jax.Array, vocab_size: int) -> None:
