@@ -21,6 +21,7 @@ from nash_mhc.layers.hyperconnection import HyperConnection
 from nash_mhc.layers.init import EMBED_STD, normal
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.multiscale import choice_mask
+from nash_mhc.sharding import constrain_batch
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -42,6 +43,23 @@ def grouped_scan(layer: Any, x: jax.Array, params: Any, group: int) -> tuple[jax
 
     x, ys = jax.lax.scan(run_group, x, jax.tree.map(regroup, params))
     return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), ys)
+
+
+def matmul_weights_in_compute_dtype(blocks: Any, dtype: str) -> Any:
+    """``blocks`` (stacked layers) with the weights of their large matmuls (attention wq wk wv wo, FFN w_gate w_up
+    w_down) in the compute ``dtype``, cast once before the layer scan instead of inside every layer.
+
+    Each layer reads its slice of each of these weights once and casts it to the compute dtype there anyway, so
+    values and gradients are unchanged (casting commutes with slicing); under fsdp the per-layer all-gathers of
+    the weights then move compute-dtype bytes (half of float32's for bfloat16) and the gathered copies are half
+    the size. Weights read more than once per step (the embedding, the LM head, the downsampling kernels) stay
+    float32, so their gradients still add up in float32. The identity for ``dtype="float32"``.
+    """
+    def weights(b: Any) -> tuple[Any, ...]:
+        return b.attn.wq, b.attn.wk, b.attn.wv, b.attn.wo, b.ffn.w_gate, b.ffn.w_up, b.ffn.w_down
+
+    dt = jnp.dtype(dtype)
+    return eqx.tree_at(weights, blocks, tuple(w.astype(dt) for w in weights(blocks)))
 
 
 class ModelOutput(eqx.Module):
@@ -130,7 +148,7 @@ class Block(eqx.Module):
         tokens, res_attn = self.attn_hc(tokens, attention)
         tokens, res_ffn = self.ffn_hc(tokens, lambda u: self.ffn(self.ffn_norm(u)))
         res = jnp.stack([res_attn, res_ffn]).reshape(2, batch, seq, n, n)
-        return tokens.reshape(batch, seq, n, dim), BlockStats(*found["stats"], res)
+        return constrain_batch(tokens.reshape(batch, seq, n, dim)), BlockStats(*found["stats"], res)
 
 
 def _check_token_ids(tokens: jax.Array, vocab_size: int) -> None:
@@ -234,6 +252,7 @@ class LanguageModel(eqx.Module):
         batch, seq = tokens.shape
         x = self.embed(tokens)
         params, static = eqx.partition(self.blocks, eqx.is_array)
+        params = matmul_weights_in_compute_dtype(params, c.dtype)
 
         def layer(x: jax.Array, block_params: Block) -> tuple[jax.Array, tuple[jax.Array, ...]]:
             block = eqx.combine(block_params, static)

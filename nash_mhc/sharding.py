@@ -315,6 +315,26 @@ def batch_spec(ndim: int) -> P:
     return P(BATCH_AXES, *([None] * (ndim - 1)))
 
 
+def constrain_batch(x: jax.Array) -> jax.Array:
+    """Pin an activation's leading (batch or token) dimension to ``("data", "fsdp")`` under the ambient mesh.
+
+    The model code calls this on the outputs of its large matmuls; the training step traces the model under
+    its mesh (``jax.sharding.use_abstract_mesh``). Without the pin, the compiler may contract a matmul whose
+    weight is split over fsdp on its contracted d_model by resharding the *activation* instead (every device
+    then holds partial sums over the global batch's tokens, e.g. an FFN hidden state [B·T, F] eight times
+    one chip's share) rather than gathering the weight. The other dimensions are left to the compiler
+    (``UNCONSTRAINED``), so tensor-parallel splits still propagate. The identity without an ambient mesh (or
+    one lacking the batch axes) and for a leading dimension that does not divide by data x fsdp; a constraint
+    never changes values.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not all(axis in mesh.axis_names for axis in BATCH_AXES):
+        return x
+    if x.ndim == 0 or x.shape[0] % math.prod(mesh.shape[axis] for axis in BATCH_AXES):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *([P.UNCONSTRAINED] * (x.ndim - 1))))
+
+
 def batch_shards(mesh: Mesh) -> int:
     """How many ways the batch dimension is split."""
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
@@ -342,7 +362,7 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
 
 __all__ = [
     "AXES", "AXIS_TYPE", "BATCH_AXES", "PARAM_RULES", "MeshConfig", "MeshError", "ShardingFallback", "batch_shards",
-    "batch_spec", "constrain", "describe_mesh", "leaf_spec", "make_mesh", "match_rule",
+    "batch_spec", "constrain", "constrain_batch", "describe_mesh", "leaf_spec", "make_mesh", "match_rule",
     "partition_specs", "path_str", "resolve_mesh_shape", "shard_batch", "sharding_fallbacks",
     "sharding_summary", "valid_mesh_shapes",
 ]

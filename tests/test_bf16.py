@@ -33,6 +33,16 @@ def dot_generals(jaxpr: jax.extend.core.Jaxpr) -> list[jax.extend.core.JaxprEqn]
     return found
 
 
+def equations(jaxpr: jax.extend.core.Jaxpr) -> list[jax.extend.core.JaxprEqn]:
+    """Every equation, including those inside scan, checkpoint, custom_jvp/vjp and pjit bodies."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += equations(sub)
+    return found
+
+
 # Sizes chosen so that no axis other than the streams (n = 5) and the scales (L = 3) has size 5 or 3: batch 1,
 # T 64 (coarse 32, 16), D 64, H 4, K 16, F 128, V 384, blocks 2 and 4, n² = 25, 2n + n² = 35.
 JAXPR_CONFIG = ModelConfig.preset("tiny", dtype="bfloat16", num_streams=5, num_scales=3, compression_ratio=2)
@@ -92,6 +102,32 @@ def test_backward_matmuls_take_bfloat16_operands():
     not_bf16 = [(operand_dtypes(e), [v.aval.shape for v in e.invars]) for e in wide
                 if operand_dtypes(e) != ("bfloat16", "bfloat16")]
     assert not not_bf16, f"backward matmuls not in bfloat16: {not_bf16}"
+
+
+def test_the_layer_scan_reads_its_matmul_weights_in_bfloat16_and_no_bit_changes(monkeypatch):
+    """The large matmul weights are cast to bfloat16 once before the layer scan (fsdp gathers half the bytes),
+    and the loss and every gradient are bit for bit those of each layer casting its own slice."""
+    import nash_mhc.model as model_module
+
+    config = JAXPR_CONFIG
+    model = noisy(LanguageModel(config, key=jax.random.key(0)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, config.seq_len + 1)), jnp.int32)
+    jaxpr = eqx.filter_make_jaxpr(gradient)(model, tokens)[0].jaxpr
+    read = {(str(v.aval.dtype), v.aval.shape) for eqn in equations(jaxpr) if eqn.primitive.name == "scan"
+            for v in eqn.invars}
+    layers, dim, hidden = config.num_layers, config.d_model, config.ffn_hidden
+    assert ("bfloat16", (layers, dim, hidden)) in read and ("bfloat16", (layers, hidden, dim)) in read
+    assert ("float32", (layers, dim, hidden)) not in read
+
+    def run() -> list[np.ndarray]:
+        value, grads = eqx.filter_jit(lambda m, t: eqx.filter_value_and_grad(
+            lambda m: jnp.sum(m(t[:, :-1]).logits[..., :8]) + m(t[:, :-1]).aux_loss.sum())(m))(model, tokens)
+        return [np.asarray(value)] + [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+    once = run()
+    monkeypatch.setattr(model_module, "matmul_weights_in_compute_dtype", lambda blocks, dtype: blocks)
+    per_layer = run()
+    assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(once, per_layer, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------- numbers

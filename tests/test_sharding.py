@@ -9,6 +9,7 @@ import math
 
 import equinox as eqx
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -232,3 +233,54 @@ def test_reshard_state_moves_a_state_between_meshes():
     for a, b in zip(jax.tree.leaves(eqx.filter(one, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(many, eqx.is_array)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------------------------ activations
+def sharding_constraints(jaxpr: object) -> list[tuple[tuple[int, ...], P]]:
+    """(shape, spec) of every ``sharding_constraint`` in a (closed) jaxpr and the jaxprs nested in it."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            found.append((tuple(eqn.outvars[0].aval.shape), eqn.params["sharding"].spec))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found.extend(sharding_constraints(sub))
+    return found
+
+
+def test_model_pins_the_batch_dimension_of_its_matmul_outputs_under_a_mesh():
+    """Under an ambient mesh the FFN hidden state and output, Q/K/V, the attention output (before and after the
+    output projection) and the stream state keep their leading batch/token dimension over data x fsdp (without
+    it the TPU compiler made the 1b FFN hidden state [B·T, F] for the global batch on every chip); without a
+    mesh the model has no constraints."""
+    needs_8_devices()
+    c = ModelConfig.preset("tiny", **SHARDABLE, dtype="bfloat16")
+    model = LanguageModel(c, key=jax.random.key(0))
+    tokens = jnp.zeros((8, c.seq_len), jnp.int32)
+    assert sharding_constraints(jax.make_jaxpr(model)(tokens)) == []
+    with jax.sharding.use_abstract_mesh(make_mesh(1, 8, 1).abstract_mesh):
+        found = sharding_constraints(jax.make_jaxpr(model)(tokens))
+    rows, heads = 8 * c.seq_len, c.num_heads
+    pinned = {shape for shape, spec in found
+              if spec == P(("data", "fsdp"), *[P.UNCONSTRAINED] * (len(shape) - 1))}
+    assert {shape for shape, _ in found} == pinned
+    for shape in [(rows, c.ffn_hidden), (rows, c.d_model), (8, c.seq_len, heads, c.d_model // heads),
+                  (8, c.seq_len, c.d_model), (8, c.seq_len, c.num_streams, c.d_model)]:
+        assert shape in pinned, shape
+
+
+def test_train_step_traces_the_model_under_its_mesh():
+    """The train step's forward and backward see the mesh: its lowered program pins the FFN hidden state."""
+    needs_8_devices()
+    from nash_mhc.training import step as step_module
+    from nash_mhc.training.fit import abstract_batch, abstract_train_state
+
+    c = ModelConfig.preset("tiny", **SHARDABLE, dtype="bfloat16")
+    mesh = make_mesh(1, 8, 1)
+    state = abstract_train_state(c, TrainConfig(batch_size=8, remat="full"), mesh)
+    batch = abstract_batch(8, c.seq_len, mesh)
+    text = jax.jit(lambda b, s: step_module._train_step_jit(b, s)).lower(batch, state).as_text()
+    hidden = f": tensor<{8 * c.seq_len}x{c.ffn_hidden}xbf16>"  # Shardy: sdy.sharding_constraint %x <@mesh, ...>
+    pins = [line for line in text.splitlines() if "sharding_constraint" in line and line.endswith(hidden)]
+    assert len(pins) >= 4, pins  # gate and up, forward and backward (each pin constrains the cotangent too)
+    assert all('[{"data", "fsdp"}, {?}]' in line for line in pins), pins

@@ -13,6 +13,7 @@ from nash_mhc.layers.init import EMBED_STD, normal, output_std
 from nash_mhc.ops.attention import causal_attention
 from nash_mhc.ops.multiscale import downsample, renormalise, upsample_shifted
 from nash_mhc.ops.rope import rope
+from nash_mhc.sharding import constrain_batch
 
 
 class MultiscaleAttention(eqx.Module):
@@ -61,15 +62,15 @@ class MultiscaleAttention(eqx.Module):
     # (nash_mhc.decoding), so both run the same math. Leading axes are batch.
     def values(self, x: Float[Array, "*batch seq dim"]) -> Float[Array, "*batch seq heads head_dim"]:
         """Shared value projection V = x W_v (x already in the compute dtype)."""
-        return jnp.einsum("...d,dhk->...hk", x, self.wv.astype(jnp.dtype(self.dtype)))
+        return constrain_batch(jnp.einsum("...d,dhk->...hk", x, self.wv.astype(jnp.dtype(self.dtype))))
 
     def queries_keys(self, level: int, x: Float[Array, "*batch seq dim"], positions: Int[Array, "seq"] | None = None
                      ) -> tuple[Float[Array, "*batch seq heads head_dim"], Float[Array, "*batch seq heads head_dim"]]:
         """RoPE'd queries and keys of scale ``level`` for (coarse) tokens at ``positions`` (default 0..seq-1)."""
         dt = jnp.dtype(self.dtype)
         spacing = self.block_sizes[level]
-        q = jnp.einsum("...d,dhk->...hk", x, self.wq[level].astype(dt))
-        k = jnp.einsum("...d,dhk->...hk", x, self.wk[level].astype(dt))
+        q = constrain_batch(jnp.einsum("...d,dhk->...hk", x, self.wq[level].astype(dt)))
+        k = constrain_batch(jnp.einsum("...d,dhk->...hk", x, self.wk[level].astype(dt)))
         q = rope(q, spacing=spacing, theta=self.rope_theta, positions=positions)
         k = rope(k, spacing=spacing, theta=self.rope_theta, positions=positions)
         return q, k
@@ -82,7 +83,7 @@ class MultiscaleAttention(eqx.Module):
     def output(self, out: Float[Array, "*batch seq heads head_dim"]) -> Float[Array, "*batch seq dim"]:
         """Output projection of the aggregated heads."""
         dt = jnp.dtype(self.dtype)
-        return jnp.einsum("...hk,hkd->...d", out.astype(dt), self.wo.astype(dt))
+        return constrain_batch(jnp.einsum("...hk,hkd->...d", constrain_batch(out.astype(dt)), self.wo.astype(dt)))
 
     def _scale(self, level: int, x: jax.Array, v: jax.Array) -> jax.Array:
         """Attention output at one scale on its own (coarse) positions: [B, T_l, H, K]."""

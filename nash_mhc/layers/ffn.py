@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, jaxtyped
 
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
+from nash_mhc.sharding import constrain_batch
 
 
 class SwiGLU(eqx.Module):
@@ -38,7 +39,8 @@ class SwiGLU(eqx.Module):
 @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names("gate", "up"),
                    prevent_cse=False)
 def _swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """The backward pass keeps x and the two [T, F] projections; silu and the product are recomputed."""
-    gate = checkpoint_name(x @ w_gate, "gate")
-    up = checkpoint_name(x @ w_up, "up")
-    return (jax.nn.silu(gate) * up) @ w_down
+    """The backward pass keeps x and the two [T, F] projections; silu and the product are recomputed.
+    The projections and the output stay split over the batch axes (:func:`constrain_batch`)."""
+    gate = checkpoint_name(constrain_batch(x @ w_gate), "gate")
+    up = checkpoint_name(constrain_batch(x @ w_up), "up")
+    return constrain_batch((jax.nn.silu(gate) * up) @ w_down)

@@ -217,7 +217,10 @@ def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
                                                             loss_chunks=config.loss_chunks)
             return ce_sum / denom + weight * aux_sum / aux_denom, (ce_sum, aux_sum, diagnostics)
 
-        (_, (ce_sum, aux_sum, diagnostics)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        # Under the mesh, the model pins its activations' batch dimension (nash_mhc.sharding.constrain_batch),
+        # forward and backward.
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            (_, (ce_sum, aux_sum, diagnostics)), grads = jax.value_and_grad(objective, has_aux=True)(params)
         grad_acc = jax.tree.map(jnp.add, grad_acc, constrain(grads, mesh))
         return (grad_acc, ce_acc + ce_sum, aux_acc + aux_sum), diagnostics
 
@@ -302,7 +305,8 @@ def num_train_step_traces() -> int:
 def _eval_step(model: LanguageModel, batch: Batch, mesh: Mesh) -> Metrics:
     tokens = jax.lax.with_sharding_constraint(jnp.asarray(batch.tokens), NamedSharding(mesh, batch_spec(2)))
     mask = jax.lax.with_sharding_constraint(_mask_of(batch), NamedSharding(mesh, batch_spec(2)))
-    ce_sum, count, aux_sum, _ = forward_terms(model, tokens[:, :-1], tokens[:, 1:], mask, mesh)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the model pins its activations' batch dim
+        ce_sum, count, aux_sum, _ = forward_terms(model, tokens[:, :-1], tokens[:, 1:], mask, mesh)
     ce_loss = ce_sum / jnp.maximum(count, 1.0)
     aux_loss = aux_sum / jnp.maximum(global_token_count(aux_weights(mask, model), mesh), 1.0)
     loss = ce_loss + model.config.sparsity_weight * aux_loss
