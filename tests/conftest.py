@@ -32,11 +32,22 @@ jax.config.update("jax_default_matmul_precision", "highest")
 SLOW_TIMEOUT_S = 1800  # the default (pyproject.toml, [tool.pytest.ini_options] timeout) is for the others
 
 
+# The longest test files first: pytest-xdist (``-n 2 --dist loadfile``) hands out whole files in collection
+# order, so a long file collected last (test_train_cli.py, about 11 minutes of subprocess trainings) would run
+# alone at the end while the other worker idles. Longest first (by their measured durations) keeps both busy.
+LONGEST_FIRST = ("test_train_cli.py", "test_step.py", "test_checkpoint_integrity.py", "test_generate.py",
+                 "test_study.py", "test_docs.py", "test_data_sources.py", "test_model.py", "test_bf16.py",
+                 "test_examples.py", "test_nash.py", "test_evaluate.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``slow`` tests get :data:`SLOW_TIMEOUT_S` unless they set a timeout of their own."""
+    """``slow`` tests get :data:`SLOW_TIMEOUT_S` unless they set a timeout of their own; the files of
+    :data:`LONGEST_FIRST` run first, in that order (the others after them, in their own order)."""
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
 
 
 @pytest.fixture(autouse=True, scope="module")
