@@ -98,9 +98,9 @@ def predicted_exponent(results: dict[str, dict], preset: str, slice_name: str, l
                        remat_group: int, max_exp: int) -> int | None:
     """The largest exponent predicted to fit ``slice_name`` from this preset's compiles so far (any slice).
 
-    Temporaries per chip are modelled as a + b * per_chip (b from the two largest distinct batches, a = 0
-    with one), the rest of the total (state, batch, code) as this slice's own figure, else another slice's
-    scaled by its chip count over this one's (fsdp shards the state over every chip).
+    Temporaries per chip are modelled as a + b * per_chip (b from the two largest distinct batches that
+    compiled, a = 0 with one), the rest of the total (state, batch, code) as this slice's own figure, else
+    another slice's state scaled by its chip count over this one's (fsdp shards the state over every chip).
     """
     from nash_mhc.training.fit import resolve_topology
 
@@ -108,7 +108,8 @@ def predicted_exponent(results: dict[str, dict], preset: str, slice_name: str, l
             and r["remat_group"] == remat_group and r.get("temp_bytes")]
     if not same:
         return None
-    temps = sorted({r["per_chip"]: r["temp_bytes"] for r in same}.items())
+    complete = [r for r in same if r.get("total_bytes")]  # a refusal's temporaries are the compiler's estimate
+    temps = sorted({r["per_chip"]: r["temp_bytes"] for r in (complete or same)}.items())
     if len(temps) >= 2:
         (b0, t0), (b1, t1) = temps[-2], temps[-1]
         slope, intercept = (t1 - t0) / (b1 - b0), t0 - (t1 - t0) / (b1 - b0) * b0
