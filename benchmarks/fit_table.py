@@ -176,7 +176,8 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], loss_
             else:
                 answer = f"{best['per_chip']} x {best['seq_len']} tokens"
                 memory = f"{best['total_bytes'] / GIB:.2f} GiB of {best['hbm_bytes'] / GIB:.0f} GiB"
-            nxt = "-" if smallest_over is None else f"{smallest_over['per_chip']}: does not fit"
+            nxt = (f"not tried (--max-batch {max_batch})" if smallest_over is None
+                   else f"{smallest_over['per_chip']}: does not fit")
             rows.append(f"| {preset} | {slice_name} | {tried[0]['dtype']} | {group} | {answer} | {memory} | {nxt} | "
                         f"{len(tried)} | {seconds / 60:.0f} min |")
     return rows, missing
