@@ -105,6 +105,7 @@ def test_backward_matmuls_take_bfloat16_operands():
     assert not not_bf16, f"backward matmuls not in bfloat16: {not_bf16}"
 
 
+@pytest.mark.slow  # about 70 s: two train-step compiles; the quick loop stays under 5 minutes
 def test_the_layer_scan_reads_its_matmul_weights_in_bfloat16_and_no_bit_changes(monkeypatch):
     """The large matmul weights are cast to bfloat16 once before the layer scan (fsdp gathers half the bytes),
     and the loss and every gradient are bit for bit those of each layer casting its own slice."""
