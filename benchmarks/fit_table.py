@@ -112,7 +112,8 @@ def predicted_exponent(results: dict[str, dict], preset: str, slice_name: str, l
     temps = sorted({r["per_chip"]: r["temp_bytes"] for r in (complete or same)}.items())
     if len(temps) >= 2:
         (b0, t0), (b1, t1) = temps[-2], temps[-1]
-        slope, intercept = (t1 - t0) / (b1 - b0), t0 - (t1 - t0) / (b1 - b0) * b0
+        slope = (t1 - t0) / (b1 - b0)
+        intercept = t0 - slope * b0
     else:
         slope, intercept = temps[0][1] / temps[0][0], 0.0
     chips = resolve_topology(slice_name).chips

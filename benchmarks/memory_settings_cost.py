@@ -29,28 +29,24 @@ def main() -> None:
     from nash_mhc import ModelConfig, TrainConfig, make_mesh
     from nash_mhc.training import Batch, init_train_state, train_step
 
-    layers = ModelConfig.preset(args.preset).num_layers
-    seq_len = ModelConfig.preset(args.preset).seq_len
+    config = ModelConfig.preset(args.preset)
+    layers = config.num_layers
     variants = [("none", 1, 1), ("dots", 1, 1), ("full", 1, 1),
                 *(("full", g, 1) for g in sorted({2, layers}) if layers % g == 0),
-                *([("none", 1, 8)] if seq_len % 8 == 0 else [])]
+                *([("none", 1, 8)] if config.seq_len % 8 == 0 else [])]
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     states, times = {}, {v: [] for v in variants}
     for remat, group, chunks in variants:
-        config = ModelConfig.preset(args.preset, remat=remat, remat_group=group)
         train_config = TrainConfig(batch_size=args.batch_size, warmup_steps=1, total_steps=1000, loss_chunks=chunks)
-        state = init_train_state(config, train_config, mesh, key=jax.random.key(0))
-        states[remat, group, chunks] = (config, state)
-    config = next(iter(states.values()))[0]
+        states[remat, group, chunks] = init_train_state(config.replace(remat=remat, remat_group=group), train_config,
+                                                        mesh, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (args.batch_size, config.seq_len + 1), 0, config.vocab_size)
     batch = Batch(tokens=tokens)
 
     def step(variant: tuple[str, int, int]) -> float:
-        cfg, state = states[variant]
         start = time.perf_counter()
-        state, metrics = train_step(state, batch)
+        states[variant], metrics = train_step(states[variant], batch)
         jax.block_until_ready(metrics)
-        states[variant] = (cfg, state)
         return time.perf_counter() - start
 
     for variant in variants:  # compile and one warm-up step each, outside the timed rounds

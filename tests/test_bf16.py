@@ -13,6 +13,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checkpoints import write_checkpoint
 
 from nash_mhc import LanguageModel, ModelConfig, TrainConfig, make_mesh
 from nash_mhc.decoding import decode_step, init_cache
@@ -249,12 +250,11 @@ def test_bfloat16_grouped_remat_resume_is_bit_identical(tmp_path):
 
     straight, straight_losses = run(init_train_state(model, train, mesh, key=jax.random.key(0)), batches)
     first, first_losses = run(init_train_state(model, train, mesh, key=jax.random.key(0)), batches[:2])
-    checkpointer = Checkpointer(tmp_path / "run")
-    checkpointer.save(2, first, {"step": 2})
-    checkpointer.wait()
+    write_checkpoint(tmp_path / "run", 2, first, model, train)
     fresh = init_train_state(model, train, mesh, key=jax.random.key(1))  # other values, same shardings
-    resumed, resumed_losses = run(checkpointer.restore(2, fresh), batches[2:])
-    checkpointer.close()
+    reader = Checkpointer(tmp_path / "run", read_only=True)
+    resumed, resumed_losses = run(reader.restore(2, fresh), batches[2:])
+    reader.close()
     assert first_losses + resumed_losses == straight_losses
     for a, b in zip(jax.tree.leaves(eqx.filter(straight, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(resumed, eqx.is_array)), strict=True):
