@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import nash_mhc
-from nash_mhc.config import describe
+from nash_mhc.model import describe
 
 
 def loss_fn(model: nash_mhc.LanguageModel, batch: jax.Array) -> jax.Array:

@@ -16,7 +16,7 @@ from nash_mhc.model import Block, LanguageModel, ModelOutput  # noqa: E402
 from nash_mhc.sharding import MeshError, make_mesh  # noqa: E402
 from nash_mhc.training import TrainConfig  # noqa: E402
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = ["Block", "LanguageModel", "MeshError", "ModelConfig", "ModelOutput", "TrainConfig", "make_mesh", "ops",
            "training", "__version__"]

@@ -14,9 +14,10 @@ from typing import Any, ClassVar, TypeVar
 
 from nash_mhc.settings import setting
 
-RESIDUAL_MODES = ("mhc", "hc", "plain")
+RESIDUAL_MODES = ("mhc", "mhc-lite", "hc", "plain")
+MHC_LITE_MAX_STREAMS = 6  # mhc-lite has one logit per permutation matrix: n! of them
 ATTENTION_MODES = ("multiscale", "full")
-AGGREGATION_MODES = ("nash", "convex")
+AGGREGATION_MODES = ("nash", "gate", "convex")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
 VOCAB_MULTIPLE = 128
@@ -151,6 +152,9 @@ class ModelConfig(ConfigMethods):
             fail(f"sparsity_weight must be >= 0, got {self.sparsity_weight}")
         if self.ffn_hidden < 0:
             fail(f"ffn_hidden must be >= 0 (0 = derived), got {self.ffn_hidden}")
+        if self.residual == "mhc-lite" and self.num_streams > MHC_LITE_MAX_STREAMS:
+            fail(f"residual mhc-lite mixes the n! permutation matrices of n streams: num_streams must be <= "
+                 f"{MHC_LITE_MAX_STREAMS}, got {self.num_streams}")
         if self.residual == "plain" and self.num_streams != 1:
             object.__setattr__(self, "num_streams", 1)
         if self.attention == "full" and self.num_scales != 1:
@@ -193,72 +197,33 @@ class ModelConfig(ConfigMethods):
 
     @property
     def num_hc_coefficients(self) -> int:
-        """Columns of the projection Φ: mhc n (pre) + n (post) + n² (res) over all n·D values; hc 1 (pre) +
-        1 (post) + n (res) over each stream's D values."""
+        """Columns of the projection Φ: mhc n (pre) + n (post) + n² (res), mhc-lite n + n + n! (one logit per
+        permutation matrix), both over all n·D values; hc 1 (pre) + 1 (post) + n (res) over each stream's D values."""
         n = self.num_streams
-        return 2 * n + n * n if self.residual == "mhc" else 2 + n
+        return {"mhc": 2 * n + n * n, "mhc-lite": 2 * n + math.factorial(n)}.get(self.residual, 2 + n)
 
-    # ---------------------------------------------------------------------------- parameter count
-    def param_counts(self) -> dict[str, int]:
-        """Exact parameter counts by group, matching the leaves of :class:`nash_mhc.LanguageModel`."""
-        D, F, V, n, S = self.d_model, self.ffn_hidden, self.padded_vocab_size, self.num_streams, self.num_scales
-        attn_matmul = 2 * S * D * D + 2 * D * D  # per-scale Q,K; shared V; output
-        downsample = sum(self.block_sizes[1:]) * D
-        aggregation = 0 if S == 1 else S + (1 if self.aggregation == "nash" else 0)  # prior (+ temperature)
-        ffn_matmul = 3 * D * F
-        norms = 2 * D
-        hc = 0
-        hc_matmul = 0
-        if n > 1:
-            rows = n * D if self.residual == "mhc" else D  # Φ sees the flattened streams (mhc) or one stream (hc)
-            hc_matmul = 2 * rows * self.num_hc_coefficients  # Φ for both sublayers
-            hc = 2 * (rows + 3 + 2 * n + n * n)  # norm gain, α_pre/post/res, b_pre, b_post, b_res
-        per_layer_matmul = attn_matmul + ffn_matmul + hc_matmul
-        per_layer_other = downsample + aggregation + norms + hc
-        embed = V * D
-        head = 0 if self.tie_embeddings else D * V
-        return {
-            "embedding": embed,
-            "head": head,
-            "final_norm": D,
-            "layers_matmul": self.num_layers * per_layer_matmul,
-            "layers_other": self.num_layers * per_layer_other,
-        }
-
-    def num_params(self) -> int:
-        return sum(self.param_counts().values())
-
-    def matmul_params(self) -> int:
-        """Multiply-adds per token of the weight matmuls: layer matmuls and the LM head over the real
-        vocabulary (the padding columns are computed, but they are not model FLOPs).
-
-        Each parameter counts once, except hc's per-stream Θ, which every one of the n streams uses.
-        """
-        hc_reuse = 0
-        if self.residual == "hc" and self.num_streams > 1:
-            hc_reuse = (self.num_streams - 1) * 2 * self.d_model * self.num_hc_coefficients * self.num_layers
-        return self.param_counts()["layers_matmul"] + hc_reuse + self.vocab_size * self.d_model
+    @property
+    def hc_rows(self) -> int:
+        """Rows of the projection Φ: the flattened streams n·D (mhc, mhc-lite) or one stream's D (hc)."""
+        return self.d_model if self.residual == "hc" else self.num_streams * self.d_model
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward).
 
-        Convention (PaLM appendix B, made causal and multiscale): ``6 * N_matmul`` for the weight matmuls
-        (every layer matmul incl. the mHC Φ, plus the LM head), where a coarse scale's own Q and K
-        projections (2·D² each scale l ≥ 1) see one coarse token per s_l fine tokens and so count 1/s_l;
-        and, per layer and scale l with coarse length T_l = T / s_l, ``6 * D * T_l**2 / T`` for causal QKᵀ
-        and AV (half of the non-causal 12·D·T_l²/T).
+        Convention (PaLM appendix B, made causal and multiscale): ``6 * N`` for the multiply-adds of the weight
+        matmuls every token takes part in, and, per layer and scale l with coarse length T_l = T / s_l,
+        ``6 * D * T_l**2 / T`` for causal QKᵀ and AV (half of the non-causal 12·D·T_l²/T). N counts per layer:
+        the scale-0 Q and K (2·D²) and a coarse scale's own Q and K (2·D² / s_l: it sees one coarse token per s_l
+        fine tokens), V and the output (2·D²), the SwiGLU (3·D·F), the hyper-connection projection of both
+        sublayers (mhc / mhc-lite: Φ of n·D rows; hc: Θ of D rows, applied to each of the n streams) and the
+        gate aggregation's projection (L·D); plus the LM head over the real vocabulary (the padding columns are
+        computed, but they are not model FLOPs). ``tests/test_config.py`` checks it against XLA's count.
         """
         T = self.seq_len if seq_len is None else seq_len
-        coarse_qk = sum(2 * self.d_model**2 * (1 - 1 / s) for s in self.block_sizes[1:])
-        weights = self.matmul_params() - self.num_layers * coarse_qk
-        attn = sum(6 * self.d_model * (T / s) ** 2 / T for s in self.block_sizes)
+        D, n, L = self.d_model, self.num_streams, self.num_scales
+        attention = 2 * D * D * (1 + sum(1 / s for s in self.block_sizes[1:])) + 2 * D * D
+        hc = 0 if n == 1 else 2 * self.hc_rows * self.num_hc_coefficients * (n if self.residual == "hc" else 1)
+        gate = L * D if self.aggregation == "gate" and L > 1 else 0
+        weights = self.num_layers * (attention + 3 * D * self.ffn_hidden + hc + gate) + self.vocab_size * D
+        attn = sum(6 * D * (T / s) ** 2 / T for s in self.block_sizes)
         return 6.0 * weights + self.num_layers * attn
-
-
-def describe(config: ModelConfig) -> str:
-    """One-line human summary used by the CLIs."""
-    return (f"d={config.d_model} layers={config.num_layers} heads={config.num_heads} "
-            f"streams={config.num_streams} scales={config.num_scales}(r={config.compression_ratio}) "
-            f"residual={config.residual} attention={config.attention} aggregation={config.aggregation} "
-            f"params={config.num_params() / 1e6:.2f}M flops/token={config.flops_per_token() / 1e6:.1f}M "
-            f"dtype={config.dtype}")

@@ -21,6 +21,7 @@ from nash_mhc.layers.hyperconnection import HyperConnection
 from nash_mhc.layers.init import EMBED_STD, normal
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.multiscale import choice_mask
+from nash_mhc.params import ROLES, declared_parameters, map_declared, param, stacked
 from nash_mhc.sharding import constrain_batch
 
 REMAT_POLICIES = {
@@ -46,8 +47,9 @@ def grouped_scan(layer: Any, x: jax.Array, params: Any, group: int) -> tuple[jax
 
 
 def matmul_weights_in_compute_dtype(blocks: Any, dtype: str) -> Any:
-    """``blocks`` (stacked layers) with the weights of their large matmuls (attention wq wk wv wo, FFN w_gate w_up
-    w_down) in the compute ``dtype``, cast once before the layer scan instead of inside every layer.
+    """``blocks`` (stacked layers) with the parameters whose declared role is ``cast_once`` (the attention and FFN
+    matmul weights; :mod:`nash_mhc.params`) in the compute ``dtype``, cast once before the layer scan instead of
+    inside every layer.
 
     Each layer reads its slice of each of these weights once and casts it to the compute dtype there anyway, so
     values and gradients are unchanged (casting commutes with slicing); under fsdp the per-layer all-gathers of
@@ -55,11 +57,9 @@ def matmul_weights_in_compute_dtype(blocks: Any, dtype: str) -> Any:
     the size. Weights read more than once per step (the embedding, the LM head, the downsampling kernels) stay
     float32, so their gradients still add up in float32. The identity for ``dtype="float32"``.
     """
-    def weights(b: Any) -> tuple[Any, ...]:
-        return b.attn.wq, b.attn.wk, b.attn.wv, b.attn.wo, b.ffn.w_gate, b.ffn.w_up, b.ffn.w_down
-
     dt = jnp.dtype(dtype)
-    return eqx.tree_at(weights, blocks, tuple(w.astype(dt) for w in weights(blocks)))
+    return map_declared(lambda path, leaf, decl, axes: leaf.astype(dt) if decl is not None and decl.role.cast_once
+                        else leaf, blocks, stack=("layers",))
 
 
 class ModelOutput(eqx.Module):
@@ -171,10 +171,10 @@ class LanguageModel(eqx.Module):
     rematerialised (``config.remat``: none | full | dots).
     """
 
-    embedding: Float[Array, "vocab dim"]
-    blocks: Block
+    embedding: Float[Array, "vocab dim"] = param("embedding", "vocab", "embed")
+    blocks: Block = stacked("layers")
     final_norm: RMSNorm
-    head: Float[Array, "dim vocab"] | None
+    head: Float[Array, "dim vocab"] | None = param("head", "embed", "vocab")
     config: ModelConfig = eqx.field(static=True)
 
     def __init__(self, config: ModelConfig, *, key: jax.Array):
@@ -278,3 +278,27 @@ class LanguageModel(eqx.Module):
         return h, ModelOutput(logits=h, aux_loss=aux, entropy=entropy, scale_weights=jnp.mean(weights, axis=0),
                            nash_residual=jnp.max(residual, axis=0), res_diag=jnp.mean(diag, axis=0),
                            residual_maps=maps)
+
+
+def param_counts(config: ModelConfig) -> dict[str, int]:
+    """Parameters of the model of ``config`` by declared role (:data:`nash_mhc.params.ROLES`), counted on its
+    abstract leaves (nothing is allocated)."""
+    model = eqx.filter_eval_shape(LanguageModel, config, key=jax.random.key(0))
+    counts = dict.fromkeys(ROLES, 0)
+    for _path, leaf, decl in declared_parameters(model):
+        counts[decl.role.name] += int(np.prod(leaf.shape))
+    return counts
+
+
+def num_params(config: ModelConfig) -> int:
+    """All parameters of the model of ``config``."""
+    return sum(param_counts(config).values())
+
+
+def describe(config: ModelConfig) -> str:
+    """One-line human summary used by the CLIs."""
+    return (f"d={config.d_model} layers={config.num_layers} heads={config.num_heads} "
+            f"streams={config.num_streams} scales={config.num_scales}(r={config.compression_ratio}) "
+            f"residual={config.residual} attention={config.attention} aggregation={config.aggregation} "
+            f"params={num_params(config) / 1e6:.2f}M flops/token={config.flops_per_token() / 1e6:.1f}M "
+            f"dtype={config.dtype}")

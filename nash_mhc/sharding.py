@@ -17,21 +17,19 @@ written by hand in ``jax.shard_map`` (see :mod:`nash_mhc.training.step`). This i
 fsdp-sharded d_model) a trace-time error, i.e. force sharding annotations into every layer. Note that
 ``jax.make_mesh`` defaults to Explicit in JAX 0.10, so the axis types are passed explicitly here.
 
-Sharding rules (:data:`PARAM_RULES`) are keyed on a leaf's attribute path and give the mesh axes of the
-leaf's *trailing* dimensions; leading dimensions not covered (the stacked layer axis of ``blocks``, the scale
-axis of ``wq``/``wk``) are unsplit. The same rules serve the optimizer state, whose moment trees repeat the
-parameter paths as suffixes (``opt_state...mu.blocks.attn.wq``). A dimension that does not divide by its
-mesh axes is replicated on them (the last axis is dropped first) and reported by
-:func:`sharding_fallbacks` / :func:`sharding_summary`. A non-scalar leaf that matches no rule is replicated
-with a warning (``strict=True`` raises instead; the test-suite runs strict over every model variant, so a
-new parameter without a rule fails CI rather than somebody's training run).
+Sharding rules: every parameter declares the logical name of each of its dimensions where it is created
+(:func:`nash_mhc.params.param`); :data:`LOGICAL_AXIS_RULES` maps each logical name to mesh axes (None: unsplit).
+The same declarations serve the optimizer state, whose moment trees repeat the model's classes, and the whole
+train state. A dimension that does not divide by its mesh axes is replicated on them (the last axis is dropped
+first) and reported by :func:`sharding_fallbacks` / :func:`sharding_summary`. A non-scalar leaf that is not a
+declared parameter is replicated with a warning (``strict=True`` raises instead); a parameter-declaring module
+with an undeclared array field always raises (:class:`nash_mhc.params.UndeclaredParameter`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -42,6 +40,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from nash_mhc.params import dotted, map_declared
 from nash_mhc.settings import setting
 
 AXES = ("data", "fsdp", "tp")
@@ -54,23 +53,16 @@ FSDP_TP = ("fsdp", "tp")
 
 Axes = str | tuple[str, ...] | None
 
-# (path regex matched at the end of the leaf path on a component boundary, mesh axes of trailing dims).
-# Shapes are the per-layer shapes; ``blocks`` leaves carry a leading layer axis that stays unsplit.
-PARAM_RULES: tuple[tuple[str, tuple[Axes, ...]], ...] = (
-    (r"embedding", (TP, FSDP)),                    # [V, D]          vocab over tp, d_model over fsdp
-    (r"head", (FSDP, TP)),                         # [D, V]          untied LM head
-    (r"attn\.w[qk]", (FSDP, TP, None)),            # [S, D, H, K]    per-scale Q/K: heads over tp
-    (r"attn\.wv", (FSDP, TP, None)),               # [D, H, K]
-    (r"attn\.wo", (TP, None, FSDP)),               # [H, K, D]
-    (r"attn\.down\[\d+\]", (None, FSDP)),          # [s, D]          depthwise downsampling kernels
-    (r"attn\.aggregation\.(?:prior|log_temperature)", ()),  # [S], []  tiny: replicated
-    (r"ffn\.w_(?:gate|up)", (FSDP, TP)),           # [D, F]          FFN hidden over tp
-    (r"ffn\.w_down", (TP, FSDP)),                  # [F, D]
-    (r"\w*hc\.phi", (FSDP_TP, None)),              # mhc [nD, 2n+n²], hc [D, 2+n]: rows over fsdp x tp
-    (r"\w*hc\.(?:alpha|b_pre|b_post|b_res)", ()),  # mHC scalars and biases: replicated
-    (r"\w*norm\.weight", ()),                      # RMSNorm gains (incl. the mHC one): replicated
-)
-_COMPILED_RULES = tuple((re.compile(r"(?:^|\.)" + pattern + r"$"), axes) for pattern, axes in PARAM_RULES)
+# Logical axis → mesh axes. Every logical name a parameter declares must be listed (a typo fails loudly).
+LOGICAL_AXIS_RULES: dict[str, Axes] = {
+    "vocab": TP,           # embedding rows / LM-head columns
+    "embed": FSDP,         # d_model of every weight
+    "heads": TP,           # attention heads
+    "mlp": TP,             # FFN hidden
+    "hc_rows": FSDP_TP,    # rows of the hyper-connection projection Φ (n·D for mhc, D for hc)
+    "head_dim": None, "layers": None, "scales": None, "block": None, "norm": None, "streams": None,
+    "hc_coeffs": None, "hc_alpha": None, "permutations": None,
+}
 
 
 class MeshError(ValueError):
@@ -174,27 +166,15 @@ def describe_mesh(mesh: Mesh) -> str:
 # ---------------------------------------------------------------------------------------- param specs
 def path_str(path: Sequence[Any]) -> str:
     """Dotted attribute path of a pytree leaf: ``blocks.attn.down[0]``, ``opt_state.inner_state[1][0].mu.head``."""
-    out = ""
-    for entry in path:
-        if isinstance(entry, jax.tree_util.GetAttrKey):
-            out += f".{entry.name}"
-        elif isinstance(entry, jax.tree_util.DictKey):
-            out += f".{entry.key}"
-        elif isinstance(entry, jax.tree_util.SequenceKey):
-            out += f"[{entry.idx}]"
-        elif isinstance(entry, jax.tree_util.FlattenedIndexKey):
-            out += f"[{entry.key}]"
-        else:
-            out += f".{entry}"
-    return out.lstrip(".")
+    return dotted(tuple(path))
 
 
-def match_rule(path: str) -> tuple[Axes, ...] | None:
-    """The trailing-dimension mesh axes of the first rule matching ``path``, or None."""
-    for pattern, axes in _COMPILED_RULES:
-        if pattern.search(path):
-            return axes
-    return None
+def mesh_axes(logical: Sequence[str]) -> tuple[Axes, ...]:
+    """The mesh axes of each logical axis name (:data:`LOGICAL_AXIS_RULES`); ValueError naming an unknown one."""
+    unknown = [name for name in logical if name not in LOGICAL_AXIS_RULES]
+    if unknown:
+        raise ValueError(f"logical axis {unknown[0]!r} has no entry in nash_mhc.sharding.LOGICAL_AXIS_RULES")
+    return tuple(LOGICAL_AXIS_RULES[name] for name in logical)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,23 +200,12 @@ def _as_tuple(axes: Axes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def leaf_spec(path: str, shape: Sequence[int], mesh: Mesh, *, strict: bool = False
-              ) -> tuple[P, list[ShardingFallback]]:
-    """PartitionSpec of one leaf (and the divisibility fallbacks taken). Scalars are replicated."""
-    if len(shape) == 0:
-        return P(), []
-    rule = match_rule(path)
-    if rule is None:
-        message = f"no sharding rule for parameter {path!r} with shape {tuple(shape)}"
-        if strict:
-            raise ValueError(message + "; add one to nash_mhc.sharding.PARAM_RULES")
-        warnings.warn(message + "; replicating it", stacklevel=3)
-        return P(), []
-    if len(rule) > len(shape):
-        raise ValueError(f"sharding rule for {path!r} names {len(rule)} dims, leaf has shape {tuple(shape)}")
-    full = (None,) * (len(shape) - len(rule)) + tuple(rule)
+def logical_spec(logical: Sequence[str], shape: Sequence[int], mesh: Mesh, path: str = ""
+                 ) -> tuple[P, list[ShardingFallback]]:
+    """PartitionSpec of a leaf whose dimensions have the logical names ``logical`` (and the divisibility
+    fallbacks taken; ``path`` names the leaf in them)."""
     spec, fallbacks = [], []
-    for dim, (size, axes) in enumerate(zip(shape, full, strict=True)):
+    for dim, (size, axes) in enumerate(zip(shape, mesh_axes(logical), strict=True)):
         wanted = _as_tuple(axes)
         kept = wanted
         while kept and size % math.prod(mesh.shape[a] for a in kept):
@@ -250,51 +219,68 @@ def leaf_spec(path: str, shape: Sequence[int], mesh: Mesh, *, strict: bool = Fal
     return P(*spec), fallbacks
 
 
-def _array_leaves_with_path(tree: PyTree) -> list[tuple[str, Any]]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [(path_str(p), leaf) for p, leaf in leaves if hasattr(leaf, "shape") and hasattr(leaf, "dtype")]
+def _spec(path: str, leaf: Any, logical: tuple[str, ...] | None, mesh: Mesh, strict: bool
+          ) -> tuple[str, P, list[ShardingFallback]]:
+    """(path, PartitionSpec, fallbacks) of one array leaf; a leaf that is not a declared parameter is replicated
+    (with a warning, or ValueError when ``strict``, unless it is a scalar or has one element)."""
+    if logical is None:
+        if len(leaf.shape) and math.prod(leaf.shape) > 1:
+            message = f"{path!r} with shape {tuple(leaf.shape)} is not a declared parameter"
+            if strict:
+                raise ValueError(message + "; declare it with nash_mhc.params.param(role, *logical_axes)")
+            warnings.warn(message + "; replicating it", stacklevel=5)
+        return path, P(), []
+    return (path, *logical_spec(logical, leaf.shape, mesh, path))
 
 
-def _map_array_leaves(fn: Any, tree: PyTree) -> PyTree:
-    def visit(path: Any, leaf: Any) -> Any:
-        return fn(path_str(path), leaf) if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else None
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
 
-    return jax.tree_util.tree_map_with_path(visit, tree)
+
+def _leaf_specs(tree: PyTree, mesh: Mesh, strict: bool) -> PyTree:
+    """(path, PartitionSpec, fallbacks) for every array leaf of ``tree`` (None elsewhere)."""
+    return map_declared(lambda path, leaf, decl, logical: _spec(path, leaf, logical, mesh, strict)
+                        if _is_array(leaf) else None, tree)
+
+
+def _is_entry(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], P)
 
 
 def partition_specs(tree: PyTree, mesh: Mesh, *, strict: bool = False) -> PyTree:
-    """A PartitionSpec for every array leaf of ``tree`` (model, optimizer state or whole train state).
+    """A PartitionSpec for every array leaf of ``tree`` (model, gradients, optimizer state or a whole train
+    state), from the parameters' declared logical axes. Non-array leaves map to None. Works on concrete arrays,
+    tracers and ``jax.ShapeDtypeStruct``."""
+    return jax.tree.map(lambda e: e[1], _leaf_specs(tree, mesh, strict), is_leaf=_is_entry)
 
-    Non-array leaves map to None. Works on concrete arrays, tracers and ``jax.ShapeDtypeStruct``.
-    """
-    return _map_array_leaves(lambda path, leaf: leaf_spec(path, leaf.shape, mesh, strict=strict)[0], tree)
+
+def named_shardings(tree: PyTree, mesh: Mesh) -> PyTree:
+    """``NamedSharding`` of every array leaf of ``tree`` by the rules (None for non-array leaves)."""
+    return jax.tree.map(lambda e: NamedSharding(mesh, e[1]), _leaf_specs(tree, mesh, False), is_leaf=_is_entry)
 
 
 def constrain(tree: PyTree, mesh: Mesh) -> PyTree:
     """``with_sharding_constraint`` on every array leaf of ``tree`` by the rules (inside jit)."""
-    def apply(path: Any, leaf: Any) -> Any:
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+    def apply(path: str, leaf: Any, decl: Any, logical: tuple[str, ...] | None) -> Any:
+        if not _is_array(leaf):
             return leaf
-        sharding = NamedSharding(mesh, leaf_spec(path_str(path), leaf.shape, mesh)[0])
-        return jax.lax.with_sharding_constraint(leaf, sharding)
+        return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, _spec(path, leaf, logical, mesh, False)[1]))
 
-    return jax.tree_util.tree_map_with_path(apply, tree)
+    return map_declared(apply, tree)
 
 
 def sharding_fallbacks(model: PyTree, mesh: Mesh) -> list[ShardingFallback]:
     """Every dimension of ``model`` that is replicated on its mesh axes because it does not divide."""
-    out = []
-    for path, leaf in _array_leaves_with_path(model):
-        out.extend(leaf_spec(path, leaf.shape, mesh)[1])
-    return out
+    entries = jax.tree.leaves(_leaf_specs(model, mesh, False), is_leaf=_is_entry)
+    return [fallback for entry in entries for fallback in entry[2]]
 
 
 def sharding_summary(model: PyTree, mesh: Mesh) -> list[str]:
     """Start-up summary lines: mesh, per-device parameter share, and every divisibility fallback."""
     lines = [describe_mesh(mesh)]
     total = per_device = 0
-    for path, leaf in _array_leaves_with_path(model):
-        spec = leaf_spec(path, leaf.shape, mesh)[0]
+    entries = jax.tree.leaves(_leaf_specs(model, mesh, False), is_leaf=_is_entry)
+    for (_, spec, _), leaf in zip(entries, [x for x in jax.tree.leaves(model) if _is_array(x)], strict=True):
         size = math.prod(leaf.shape)
         shards = math.prod(math.prod(mesh.shape[a] for a in _as_tuple(axes)) for axes in spec)
         total += size
@@ -361,8 +347,9 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
 
 
 __all__ = [
-    "AXES", "AXIS_TYPE", "BATCH_AXES", "PARAM_RULES", "MeshConfig", "MeshError", "ShardingFallback", "batch_shards",
-    "batch_spec", "constrain", "constrain_batch", "describe_mesh", "leaf_spec", "make_mesh", "match_rule",
+    "AXES", "AXIS_TYPE", "BATCH_AXES", "LOGICAL_AXIS_RULES", "MeshConfig", "MeshError", "ShardingFallback",
+    "batch_shards", "batch_spec", "constrain", "constrain_batch", "describe_mesh", "logical_spec", "make_mesh",
+    "mesh_axes", "named_shardings",
     "partition_specs", "path_str", "resolve_mesh_shape", "shard_batch", "sharding_fallbacks",
     "sharding_summary", "valid_mesh_shapes",
 ]

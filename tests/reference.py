@@ -11,13 +11,14 @@ Sections, bottom up; a new piece goes into the section it belongs to and reuses 
 1. primitives: logsumexp, softmax, sigmoid, silu
 2. ops: rms_norm, rope, attention / causal_attention, sinkhorn, downsample, upsample_shifted
 3. residual connections: ``connection`` (u = Σ_k H_pre[k] X[k], y = F(u), X ← H_res X + H_post ⊗ y) is shared
-   by every mode; a mode only supplies its coefficients (``mhc_coefficients``). The published HC coefficients
-   go next to them.
-4. layers: swiglu, the Nash scale aggregation, multiscale attention, one whole block.
+   by every mode; a mode only supplies its coefficients (``mhc_coefficients``, ``mhc_lite_coefficients``). The
+   published HC coefficients go next to them.
+4. layers: swiglu, the scale aggregations (Nash, gate, convex), multiscale attention, one whole block.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -157,6 +158,27 @@ def mhc_coefficients(x: Array, norm_weight: Array, phi: Array, alpha: Array, b_p
     return h_pre, h_post, h_res
 
 
+def mhc_lite_coefficients(x: Array, norm_weight: Array, phi: Array, alpha: Array, b_pre: Array, b_post: Array,
+                          b_perm: Array, *, eps: float) -> Coefficients:
+    """mHC-lite (arXiv 2601.05732): as mHC, but [a_pre | a_post | a_perm] = x' Φ with one column per permutation of
+    the n streams, and H_res = Σ_k softmax(α₂ a_perm + b_perm)_k P_k over the n! permutation matrices P_k
+    (P_k[i, j] = 1 iff j = π_k(i), permutations in lexicographic order, the identity first)."""
+    x = f64(x)
+    seq, n, dim = x.shape
+    a = rms_norm(x.reshape(seq, n * dim), norm_weight, eps) @ f64(phi)
+    alpha = f64(alpha)
+    h_pre = sigmoid(alpha[0] * a[:, :n] + f64(b_pre))
+    h_post = 2.0 * sigmoid(alpha[1] * a[:, n:2 * n] + f64(b_post))
+    mix = softmax(alpha[2] * a[:, 2 * n:] + f64(b_perm), axis=-1)
+    h_res = np.zeros((seq, n, n))
+    for k, perm in enumerate(itertools.permutations(range(n))):
+        matrix = np.zeros((n, n))
+        for i, j in enumerate(perm):
+            matrix[i, j] = 1.0
+        h_res += mix[:, k, None, None] * matrix
+    return h_pre, h_post, h_res
+
+
 # --------------------------------------------------------------------------------------------- 4. layers
 def swiglu(x: Array, w_gate: Array, w_up: Array, w_down: Array) -> Array:
     """(silu(x W_gate) ⊙ (x W_up)) W_down."""
@@ -164,52 +186,84 @@ def swiglu(x: Array, w_gate: Array, w_up: Array, w_down: Array) -> Array:
     return (silu(x @ f64(w_gate)) * (x @ f64(w_up))) @ f64(w_down)
 
 
+NASH_FLOOR = 1.05  # c of the effective temperature τ + c·λmax(C) (nash_mhc.ops.aggregation docstring)
+
+
 def nash_game(outputs: Array, available: Array, prior: Array, tau: float
-              ) -> tuple[Callable[[Array], Array], Array, Array]:
-    """For one position: (best response, start point softmax(prior), indices of the available scales).
+              ) -> tuple[Callable[[Array], Array], Array, Array, float]:
+    """For one position: (best response, start point softmax(prior), indices of the available scales, τ_eff).
 
     Consensus O* = Σ w_l O_l, error e_l = |O_l − O*|² / (D S), S = mean_l |O_l|² / D, effective temperature
-    τ + 2 |C|_F with C the Gram matrix of the centred outputs over D S; BR(w) = softmax(b − e(w) / τ_eff).
+    τ + 1.05·λmax(C) with C the Gram matrix of the centred outputs over D S; BR(w) = softmax(b − e(w) / τ_eff).
     """
     idx = np.flatnonzero(available)
     o = f64(outputs)[idx]
     dim = o.shape[-1]
     scale = np.mean(np.sum(o * o, axis=-1)) / dim
     centred = o - o.mean(axis=0)
-    c = centred @ centred.T / (dim * scale)
-    tau_eff = tau + 2.0 * np.sqrt(np.sum(c * c) + 1e-12)
+    c = centred @ centred.T / (dim * scale) if scale > 0 else np.zeros((len(idx), len(idx)))
+    tau_eff = tau + NASH_FLOOR * np.linalg.eigvalsh(c)[-1]
     b = f64(prior)[idx]
 
     def best_response(w: Array) -> Array:
-        err = np.sum((o - w @ o) ** 2, axis=-1) / (dim * scale)
+        err = np.sum((o - w @ o) ** 2, axis=-1) / (dim * scale) if scale > 0 else np.zeros(len(idx))
         return softmax(b - err / tau_eff)
 
-    return best_response, softmax(b), idx
+    return best_response, softmax(b), idx, tau_eff
 
 
-def nash(outputs: Array, available: Array, prior: Array, tau: float, iters: int) -> tuple[Array, Array]:
-    """Weights [T, L] after ``iters`` best responses from softmax(prior), and residuals max|BR(w) − w| [T];
-    outputs [T, L, D], available [T, L]."""
+def nash(outputs: Array, available: Array, prior: Array, tau: float) -> tuple[Array, Array]:
+    """Equilibrium weights [T, L] (best responses from softmax(prior) until they move by < 1e-15, the contraction
+    factor being < 1/1.05) and residuals max|BR(w) − w| [T]; outputs [T, L, D], available [T, L]."""
     seq, scales, _ = outputs.shape
     weights, residual = np.zeros((seq, scales)), np.zeros(seq)
     for t in range(seq):
-        br, w, idx = nash_game(outputs[t], available[t], prior, tau)
-        for _ in range(iters):
-            w = br(w)
+        br, w, idx, _ = nash_game(outputs[t], available[t], prior, tau)
+        for _ in range(100_000):
+            new = br(w)
+            if np.abs(new - w).max() < 1e-15:
+                break
+            w = new
         weights[t, idx] = w
         residual[t] = np.abs(br(w) - w).max()
     return weights, residual
 
 
+def gate(outputs: Array, available: Array, prior: Array, gate_weights: Array) -> Array:
+    """Gate weights [T, L]: softmax over the available scales of b_l + Σ_m <W_lm, O_m> / sqrt(D S), S = mean over the
+    available scales of |O_m|² / D; outputs [T, L, D], W [L, L, D]."""
+    seq, scales, dim = outputs.shape
+    weights = np.zeros((seq, scales))
+    for t in range(seq):
+        idx = np.flatnonzero(available[t])
+        o = f64(outputs[t])[idx]
+        scale = np.mean(np.sum(o * o, axis=-1)) / dim
+        o = o / np.sqrt(scale) if scale > 0 else o
+        logits = [f64(prior)[scale_l] + sum(f64(gate_weights)[scale_l, m] @ o[i] for i, m in enumerate(idx))
+                  / np.sqrt(dim) for scale_l in idx]
+        weights[t, idx] = softmax(np.asarray(logits))
+    return weights
+
+
+def convex(available: Array, prior: Array) -> Array:
+    """Convex weights [T, L]: softmax(b) over the available scales of each position."""
+    weights = np.zeros(np.shape(available))
+    for t, row in enumerate(np.asarray(available)):
+        idx = np.flatnonzero(row)
+        weights[t, idx] = softmax(f64(prior)[idx])
+    return weights
+
+
 def multiscale_attention(x: Array, wq: Array, wk: Array, wv: Array, wo: Array, down: list[Array],
-                         block_sizes: tuple[int, ...], prior: Array, tau: float, *, nash_iters: int, eps: float,
+                         block_sizes: tuple[int, ...], aggregate: Callable[[Array, Array], Array], *, eps: float,
                          theta: float) -> tuple[Array, Array]:
-    """(y [T, D], weights [T, L]): causal multiscale attention with Nash aggregation on x [T, D].
+    """(y [T, D], weights [T, L]): causal multiscale attention on x [T, D], the scales combined by the weights
+    ``aggregate(outputs [T, L, D], available [T, L])`` returns (e.g. ``lambda o, a: nash(o, a, prior, tau)[0]``).
 
     Scale 0: causal attention of RoPE'd x W_q[0], x W_k[0] and V = x W_v. Scale l ≥ 1 (block s_l):
     x_l = renormalise(downsample(x, down[l−1])), V_l = downsample(V, down[l−1]), queries/keys x_l W_{q,k}[l]
     RoPE'd at coarse positions with spacing s_l, causal over coarse indices, upsampled shifted. The available
-    outputs are combined with their Nash weights, then y = (Σ_l w_l O_l) W_o.
+    outputs are combined with the aggregation weights, then y = (Σ_l w_l O_l) W_o.
     """
     x = f64(x)
     seq, dim = x.shape
@@ -227,7 +281,7 @@ def multiscale_attention(x: Array, wq: Array, wk: Array, wv: Array, wo: Array, d
         outputs.append(up)
         available.append(avail)
     outputs, available = np.stack(outputs, axis=1), np.stack(available, axis=1)
-    weights, _ = nash(outputs, available, prior, tau, nash_iters)
+    weights = aggregate(outputs, available)
     combined = np.einsum("tl,tld->td", weights, outputs).reshape(seq, heads, head_dim)
     return np.einsum("thk,hkd->td", combined, f64(wo)), weights
 

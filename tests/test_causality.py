@@ -13,6 +13,7 @@ import pytest
 from nash_mhc import LanguageModel, ModelConfig
 
 MODES = list(itertools.product(("mhc", "hc", "plain"), ("multiscale", "full"), ("nash", "convex")))
+MODES += [("mhc-lite", "multiscale", "nash"), ("mhc", "multiscale", "gate"), ("mhc-lite", "full", "nash")]
 DEFAULT_MODE = ("mhc", "multiscale", "nash")
 # 21: a trailing partial coarse block at every coarse scale; the default mode also runs whole blocks (16, 32).
 # Each length is one compilation per mode, so the other modes run at 21 only.

@@ -1,10 +1,11 @@
-"""Checkpoints written before the model's function changed (model format 1) are refused in one line."""
+"""Checkpoints written before the model's function changed (model formats 1 and 2) are refused in one line."""
 
 from __future__ import annotations
 
 import json
 
 import jax
+import pytest
 
 from nash_mhc import ModelConfig, TrainConfig, make_mesh
 from nash_mhc.evaluate import main as evaluate_main
@@ -13,7 +14,11 @@ from nash_mhc.training import init_train_state
 from nash_mhc.training.checkpoint import MODEL_FORMAT, Checkpointer
 
 
-def test_a_format_1_checkpoint_is_refused_with_one_line_naming_the_change(tmp_path, capsys):
+@pytest.mark.parametrize("old_format, named", [
+    (1, ("learned temperature", "Hyper-Connections")),  # nash_mhc 0.1 wrote no model_format
+    (2, ("1.05 lambda_max", "coefficient learning-rate group")),
+])
+def test_an_older_format_checkpoint_is_refused_with_one_line_naming_the_change(tmp_path, capsys, old_format, named):
     config, train_config = ModelConfig.preset("tiny"), TrainConfig(batch_size=8, total_steps=10, warmup_steps=1)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     state = init_train_state(config, train_config, mesh, key=jax.random.key(0))
@@ -26,8 +31,11 @@ def test_a_format_1_checkpoint_is_refused_with_one_line_naming_the_change(tmp_pa
     checkpointer.close()
     (meta_file,) = [p for p in run.glob("1/meta/*") if p.is_file() and p.read_text().startswith("{")]
     saved = json.loads(meta_file.read_text())
-    assert saved["model_format"] == MODEL_FORMAT == 2
-    del saved["model_format"]  # what nash_mhc 0.1 wrote
+    assert saved["model_format"] == MODEL_FORMAT == 3
+    if old_format == 1:
+        del saved["model_format"]
+    else:
+        saved["model_format"] = old_format
     meta_file.write_text(json.dumps(saved))
     before = sorted(str(p) for p in run.rglob("*"))
 
@@ -35,8 +43,8 @@ def test_a_format_1_checkpoint_is_refused_with_one_line_naming_the_change(tmp_pa
                        "--batch-size", "8", "--total-steps", "2", "--checkpoint-dir", str(run)])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert "model format 1" in err and "learned temperature" in err and "Hyper-Connections" in err
+    assert f"model format {old_format}" in err and all(words in err for words in named), err
     code = evaluate_main(["--checkpoint-dir", str(run), "--compile-cache-dir", "none"])
     err = capsys.readouterr().err
-    assert code == 2 and "model format 1" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and f"model format {old_format}" in err and len(err.strip().splitlines()) == 1
     assert sorted(str(p) for p in run.rglob("*")) == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import equinox as eqx
 import jax
@@ -10,11 +11,25 @@ import jax.numpy as jnp
 import pytest
 
 from nash_mhc import LanguageModel, ModelConfig
+from nash_mhc.model import num_params, param_counts
 
 
-def count_leaves(config: ModelConfig) -> int:
-    shapes = eqx.filter_eval_shape(LanguageModel, config, key=jax.random.key(0))
-    return sum(x.size for x in jax.tree.leaves(shapes) if isinstance(x, jax.ShapeDtypeStruct))
+def expected_counts(c: ModelConfig) -> dict[str, int]:
+    """Parameters by role, written out from the architecture (DESIGN.md §1 and the layers' docstrings)."""
+    D, F, V, n, L = c.d_model, c.ffn_hidden, c.padded_vocab_size, c.num_streams, c.num_scales
+    matmul = 2 * L * D * D + 2 * D * D + 3 * D * F  # per-scale Q, K; shared V; output; SwiGLU
+    norm = 2 * D  # the two pre-norms
+    kernel = sum(c.compression_ratio**level for level in range(1, L)) * D  # downsampling kernels
+    coefficient = 0 if L == 1 else L + {"nash": 1, "gate": L * L * D, "convex": 0}[c.aggregation]
+    if n > 1:  # per sublayer: the connection's own norm gain, Φ, α (3) and the static biases
+        rows, columns, biases = {"mhc": (n * D, 2 * n + n * n, 2 * n + n * n),  # b_pre, b_post, b_res [n, n]
+                                 "mhc-lite": (n * D, 2 * n + math.factorial(n), 2 * n + math.factorial(n)),  # b_perm
+                                 "hc": (D, 2 + n, 2 * n + n * n)}[c.residual]
+        norm += 2 * rows
+        coefficient += 2 * (rows * columns + 3 + biases)
+    return {"matmul": c.num_layers * matmul, "head": 0 if c.tie_embeddings else D * V, "embedding": V * D,
+            "norm": c.num_layers * norm + D, "kernel": c.num_layers * kernel,
+            "coefficient": c.num_layers * coefficient}
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -56,20 +71,26 @@ def test_presets_cover_the_documented_sizes():
     three_b = sizes["3b"]
     assert (three_b.d_model, three_b.num_layers, three_b.num_scales, three_b.seq_len) == (2048, 28, 4, 4096)
     assert sizes["small"].d_model == 256 and sizes["small"].num_layers == 4
-    baseline = ModelConfig.preset("base", residual="plain", attention="full").num_params()
+    baseline = num_params(ModelConfig.preset("base", residual="plain", attention="full"))
     assert 110e6 < baseline < 140e6
-    medium = ModelConfig.preset("medium", residual="plain", attention="full").num_params()
+    medium = num_params(ModelConfig.preset("medium", residual="plain", attention="full"))
     assert 300e6 < medium < 400e6
-    params = [c.num_params() for c in sizes.values()]
+    params = [num_params(c) for c in sizes.values()]
     assert params == sorted(params)
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "3b"])
-@pytest.mark.parametrize("residual, attention, tie", [
-    ("mhc", "multiscale", True), ("hc", "full", False), ("plain", "multiscale", False), ("plain", "full", True)])
-def test_param_count_matches_model_leaves(name, residual, attention, tie):
-    config = ModelConfig.preset(name, residual=residual, attention=attention, tie_embeddings=tie)
-    assert count_leaves(config) == config.num_params()
+@pytest.mark.parametrize("name", ["tiny", "3b"])
+@pytest.mark.parametrize("residual, attention, aggregation, tie", [
+    ("mhc", "multiscale", "nash", True), ("mhc-lite", "multiscale", "gate", False), ("hc", "full", "nash", False),
+    ("plain", "multiscale", "convex", False), ("plain", "full", "nash", True)])
+def test_param_counts_by_role_match_the_architecture(name, residual, attention, aggregation, tie):
+    """The counts read from the parameters' declared roles equal the architecture's, role by role, and add up to
+    every leaf of the model."""
+    config = ModelConfig.preset(name, residual=residual, attention=attention, aggregation=aggregation,
+                                tie_embeddings=tie)
+    assert param_counts(config) == expected_counts(config)
+    shapes = eqx.filter_eval_shape(LanguageModel, config, key=jax.random.key(0))
+    assert num_params(config) == sum(x.size for x in jax.tree.leaves(shapes) if isinstance(x, jax.ShapeDtypeStruct))
 
 
 def lowered_flops(fn, *abstract_args) -> float:

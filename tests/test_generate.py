@@ -25,9 +25,10 @@ from nash_mhc.sharding import make_mesh
 from nash_mhc.training import init_train_state
 
 MODES = list(itertools.product(("mhc", "hc", "plain"), ("multiscale", "full"), ("nash", "convex")))
+MODES += [("mhc-lite", "multiscale", "nash"), ("mhc", "multiscale", "gate")]
 # (compression ratio, seq_len, tokens fed): r=2 → blocks 1,2,4 (22 = 5·4 + 2: a trailing partial block);
 # r=3 → blocks 1,3,9 (16 = 5·3 + 1 = 9 + 7) checks the input ring with a block size that is not a power of 2.
-CASES = [(*mode, 2, 24, 22) if mode[2] == "nash" else pytest.param(*mode, 2, 24, 22, marks=pytest.mark.slow)
+CASES = [(*mode, 2, 24, 22) if mode[2] != "convex" else pytest.param(*mode, 2, 24, 22, marks=pytest.mark.slow)
          for mode in MODES] + [("mhc", "multiscale", "nash", 3, 18, 16)]
 # The convex aggregation's cache path is the Nash one's (weights from the same per-position outputs): its modes
 # run with the slow tests, a compilation each.

@@ -30,15 +30,19 @@ def assert_close(got: object, want: np.ndarray, atol: float, rtol: float = 0.0) 
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=atol, rtol=rtol)
 
 
-@pytest.fixture(scope="module")
-def layer() -> Block:
+def random_block(**overrides: object) -> Block:
     """One ``tiny`` block as the model builds it, every parameter random N(0, 0.2²) (no initialiser runs: the
     tests set the parameters they read to values of their own)."""
-    shapes = eqx.filter_eval_shape(Block, ModelConfig.preset("tiny"), key=jax.random.key(0))
+    shapes = eqx.filter_eval_shape(Block, ModelConfig.preset("tiny", **overrides), key=jax.random.key(0))
     leaves, treedef = jax.tree.flatten(shapes)
     return jax.tree.unflatten(treedef, [jnp.asarray(normal(i, leaf.shape, 0.2))
                                         if isinstance(leaf, jax.ShapeDtypeStruct) else leaf
                                         for i, leaf in enumerate(leaves)])
+
+
+@pytest.fixture(scope="module")
+def layer() -> Block:
+    return random_block()
 
 
 # ----------------------------------------------------------------------------------------------------- ops
@@ -154,6 +158,35 @@ def randomised_mhc(hc, seed: int):
                        tuple(jnp.asarray(v, jnp.float32) for v in values))
 
 
+def randomised_lite(hc, seed: int):
+    """An mhc-lite connection with every coefficient parameter moved far off its initial value."""
+    rng = np.random.default_rng(seed)
+    n = hc.b_pre.shape[0]
+    values = (1.0 + 0.3 * rng.standard_normal(hc.norm.weight.shape), rng.standard_normal(hc.phi.shape) /
+              np.sqrt(hc.phi.shape[0]), rng.uniform(0.5, 1.5, 3), rng.standard_normal(n), rng.standard_normal(n),
+              2.0 * rng.standard_normal(hc.b_perm.shape))
+    return eqx.tree_at(lambda m: (m.norm.weight, m.phi, m.alpha, m.b_pre, m.b_post, m.b_perm), hc,
+                       tuple(jnp.asarray(v, jnp.float32) for v in values))
+
+
+def test_mhc_lite_connection_matches_reference():
+    """mHC-lite's H_res (the n! permutation matrices' convex combination) and the connection, against the literal
+    float64 construction of tests/reference.py."""
+    hc = randomised_lite(random_block(residual="mhc-lite").attn_hc, seed=40)
+    assert hc.mode == "mhc-lite" and hc.b_perm.shape == (24,)
+    n = hc.b_pre.shape[0]
+    dim = hc.norm.weight.shape[0] // n
+    x = normal(41, (7, n, dim))
+    w = normal(42, (dim, dim), dim**-0.5)
+    got, h_res = hc(jnp.asarray(x), lambda u: jnp.tanh(u @ jnp.asarray(w)))
+    coefficients = ref.mhc_lite_coefficients(x, hc.norm.weight, hc.phi, hc.alpha, hc.b_pre, hc.b_post, hc.b_perm,
+                                             eps=hc.norm.eps)
+    want = ref.connection(x, coefficients, lambda u: np.tanh(u @ w.astype(np.float64)))
+    # H_res: a float32 Φ projection (256 terms) and a 24-way softmax, entries of order 1/24 to 1
+    assert_close(h_res, coefficients[2], atol=2e-6)
+    assert_close(got, want, atol=1e-5)  # as the mhc connection below
+
+
 def test_mhc_connection_matches_reference(layer):
     hc = randomised_mhc(layer.attn_hc, seed=22)
     assert hc.mode == "mhc"
@@ -172,33 +205,48 @@ def test_mhc_connection_matches_reference(layer):
 
 
 def randomised_attention(attn, seed: int):
-    """Multiscale attention with projections of unit gain, random pooling weights, prior and temperature."""
+    """Multiscale attention with projections of unit gain, random pooling weights, prior and (by its aggregation)
+    temperature or gate."""
     rng = np.random.default_rng(seed)
     dim = attn.wv.shape[0]
     values = (rng.standard_normal(attn.wq.shape) * dim**-0.5, rng.standard_normal(attn.wk.shape) * dim**-0.5,
               rng.standard_normal(attn.wv.shape) * dim**-0.5, rng.standard_normal(attn.wo.shape) * dim**-0.5,
               tuple(1.0 / d.shape[0] + 0.3 * rng.standard_normal(d.shape) for d in attn.down),
-              rng.standard_normal(attn.aggregation.prior.shape), np.log(rng.uniform(0.05, 0.5)))
-    return eqx.tree_at(lambda m: (m.wq, m.wk, m.wv, m.wo, m.down, m.aggregation.prior,
-                                  m.aggregation.log_temperature), attn,
+              rng.standard_normal(attn.aggregation.prior.shape))
+    attn = eqx.tree_at(lambda m: (m.wq, m.wk, m.wv, m.wo, m.down, m.aggregation.prior), attn,
                        jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), values))
+    if attn.aggregation.mode == "nash":
+        attn = eqx.tree_at(lambda m: m.aggregation.log_temperature, attn,
+                           jnp.asarray(np.log(rng.uniform(0.05, 0.5)), jnp.float32))
+    if attn.aggregation.mode == "gate":
+        attn = eqx.tree_at(lambda m: m.aggregation.gate, attn, jnp.asarray(rng.standard_normal(
+            attn.aggregation.gate.shape), jnp.float32))
+    return attn
 
 
 def reference_attention(attn):
-    """The float64 reference of ``attn`` as a function of x [T, D] → (y, weights)."""
-    return lambda x: ref.multiscale_attention(
-        x, attn.wq, attn.wk, attn.wv, attn.wo, list(attn.down), attn.block_sizes, attn.aggregation.prior,
-        float(np.exp(np.float64(attn.aggregation.log_temperature))), nash_iters=attn.aggregation.num_iters,
-        eps=attn.norm_eps, theta=attn.rope_theta)
+    """The float64 reference of ``attn`` (any aggregation) as a function of x [T, D] → (y, weights)."""
+    agg = attn.aggregation
+    if agg.mode == "nash":
+        tau = float(np.exp(np.float64(agg.log_temperature)))
+        aggregate = lambda o, a: ref.nash(o, a, agg.prior, tau)[0]  # noqa: E731
+    elif agg.mode == "gate":
+        aggregate = lambda o, a: ref.gate(o, a, agg.prior, agg.gate)  # noqa: E731
+    else:
+        aggregate = lambda o, a: ref.convex(a, agg.prior)  # noqa: E731
+    return lambda x: ref.multiscale_attention(x, attn.wq, attn.wk, attn.wv, attn.wo, list(attn.down),
+                                              attn.block_sizes, aggregate, eps=attn.norm_eps, theta=attn.rope_theta)
 
 
-def test_multiscale_attention_matches_reference(layer):
-    """All three scales, the shifted upsampling, the Nash weights and the output projection, at T = 64."""
-    attn = randomised_attention(layer.attn, seed=27)
+@pytest.mark.parametrize("aggregation", ["nash", "gate", "convex"])
+def test_multiscale_attention_matches_reference(layer, aggregation):
+    """All three scales, the shifted upsampling, the aggregation weights and the output projection, at T = 64."""
+    attn = randomised_attention(layer.attn if aggregation == "nash" else random_block(aggregation=aggregation).attn,
+                                seed=27)
     x = normal(28, (64, attn.wv.shape[0]))
     y, weights, _, _ = eqx.filter_jit(lambda m, x: m(x))(attn, jnp.asarray(x))
     want_y, want_weights = reference_attention(attn)(x)
-    assert np.abs(want_weights - 1.0 / 3).max() > 0.1  # the game is not trivial here
+    assert np.abs(want_weights - 1.0 / 3).max() > 0.1  # the weights are not trivial here
     # Nash weights: the float32 solver vs float64 (2e-5 in test_nash), on float32 scale outputs
     assert_close(weights, want_weights, atol=5e-5)
     # y of order 1 after ~5 float32 matmuls (64 terms) and three softmaxes, carrying the weight error

@@ -18,12 +18,14 @@ from jax.sharding import PartitionSpec as P
 
 from nash_mhc import ModelConfig
 from nash_mhc.model import LanguageModel
+from nash_mhc.params import UndeclaredParameter, declared_parameters, param
 from nash_mhc.sharding import (
     AXES,
+    LOGICAL_AXIS_RULES,
     MeshError,
     batch_spec,
-    leaf_spec,
     make_mesh,
+    named_shardings,
     partition_specs,
     path_str,
     resolve_mesh_shape,
@@ -33,6 +35,7 @@ from nash_mhc.sharding import (
     valid_mesh_shapes,
 )
 from nash_mhc.training import Batch, TrainConfig
+from nash_mhc.training.optim import coefficient_mask, decay_mask
 from nash_mhc.training.state import init_train_state, reshard_state, state_initializer
 
 # Every dimension that a rule splits divides by 8: heads 8, F 256, V 384, D 64, n·D 256.
@@ -51,6 +54,12 @@ def abstract_model(config: ModelConfig) -> LanguageModel:
 def array_leaves(tree: object) -> list[tuple[str, jax.ShapeDtypeStruct]]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return [(path_str(p), leaf) for p, leaf in flat if hasattr(leaf, "shape")]
+
+
+def spec_table(tree: object, mesh) -> dict[str, P]:
+    """{dotted path: PartitionSpec} of every array leaf of ``tree`` by the rules."""
+    flat = jax.tree_util.tree_flatten_with_path(partition_specs(tree, mesh), is_leaf=lambda x: isinstance(x, P))[0]
+    return {path_str(p): spec for p, spec in flat}
 
 
 # ------------------------------------------------------------------------------------------------ mesh
@@ -102,18 +111,24 @@ def test_valid_shapes_and_multi_host_divisibility():
 VARIANTS = [
     dict(),
     dict(residual="hc"),
+    dict(residual="mhc-lite"),
     dict(residual="plain", attention="full"),
     dict(aggregation="convex", tie_embeddings=False),
+    dict(aggregation="gate"),
     dict(num_streams=2, num_scales=2),
 ]
 
 
 @pytest.mark.parametrize("overrides", VARIANTS)
-def test_every_parameter_has_a_rule(overrides):
-    """strict=True raises on a leaf without a rule: a new parameter must be added to PARAM_RULES."""
+def test_every_parameter_declares_a_role_and_logical_axes(overrides):
+    """Every array leaf of every model variant is a declared parameter (role + one logical name per dimension,
+    each with a sharding rule): strict=True raises on a leaf without a declaration."""
     needs_8_devices()
     config = ModelConfig.preset("tiny", **{**SHARDABLE, **overrides})
     model = abstract_model(config)
+    assert len(declared_parameters(model)) == len(array_leaves(model))
+    for _, _, decl in declared_parameters(model):
+        assert all(name in LOGICAL_AXIS_RULES for name in decl.axes)
     mesh = make_mesh(2, 2, 2)
     specs = partition_specs(model, mesh, strict=True)
     assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(
@@ -124,8 +139,7 @@ def test_every_parameter_has_a_rule(overrides):
 def test_rule_table():
     needs_8_devices()
     config = ModelConfig.preset("tiny", **SHARDABLE, tie_embeddings=False)
-    specs = dict((path, leaf_spec(path, leaf.shape, make_mesh(2, 2, 2))[0])
-                 for path, leaf in array_leaves(abstract_model(config)))
+    specs = spec_table(abstract_model(config), make_mesh(2, 2, 2))
     expected = {
         "embedding": P("tp", "fsdp"),
         "head": P("fsdp", "tp"),
@@ -159,7 +173,7 @@ def test_indivisible_dimensions_fall_back_and_are_reported():
     assert ("blocks.ffn.w_up", 2) in fallbacks  # F=256 over tp=3
     assert fallbacks[("blocks.attn_hc.phi", 1)].kept == ("fsdp",)  # 256 over fsdp·tp=6 → fsdp only
     assert ("embedding", 0) not in fallbacks  # 384 = 3·128
-    specs = dict((path, leaf_spec(path, leaf.shape, mesh)[0]) for path, leaf in array_leaves(model))
+    specs = spec_table(model, mesh)
     assert specs["blocks.attn.wq"] == P(None, None, "fsdp")
     assert specs["blocks.attn_hc.phi"] == P(None, "fsdp")
     summary = "\n".join(sharding_summary(model, mesh))
@@ -173,11 +187,27 @@ def test_unknown_leaf_warns_or_raises():
     needs_8_devices()
     mesh = make_mesh(8, 1, 1)
     tree = {"mystery": jax.ShapeDtypeStruct((4, 4), jnp.float32), "count": jax.ShapeDtypeStruct((), jnp.int32)}
-    with pytest.warns(UserWarning, match="no sharding rule for parameter 'mystery'"):
+    with pytest.warns(UserWarning, match="'mystery' with shape .4, 4. is not a declared parameter"):
         specs = partition_specs(tree, mesh)
     assert specs == {"mystery": P(), "count": P()}
-    with pytest.raises(ValueError, match="PARAM_RULES"):
+    with pytest.raises(ValueError, match="declare it with nash_mhc.params.param"):
         partition_specs(tree, mesh, strict=True)
+
+
+class Half(eqx.Module):
+    """A layer that declares one of its two arrays."""
+
+    declared: jax.Array = param("matmul", "embed", "mlp")
+    forgotten: jax.Array
+
+
+def test_an_undeclared_array_beside_declared_ones_is_an_error_wherever_roles_are_read():
+    needs_8_devices()
+    layer = Half(jnp.zeros((8, 8)), jnp.zeros((8,)))
+    for read in (lambda: partition_specs(layer, make_mesh(8, 1, 1)), lambda: declared_parameters(layer),
+                 lambda: decay_mask(layer), lambda: coefficient_mask(layer)):
+        with pytest.raises(UndeclaredParameter, match="Half.forgotten"):
+            read()
 
 
 def test_shard_batch_splits_rows_over_data_and_fsdp():
@@ -209,9 +239,10 @@ def test_state_is_born_sharded_within_ten_percent_of_ideal(shape):
     total = sum(leaf.nbytes for leaf in leaves)
     worst = max(device_bytes(leaves, device) for device in mesh.devices.flat)
     assert worst <= 1.10 * total / 8, (worst, total / 8)
-    for (path, leaf), array in zip(array_leaves(eqx.filter(state, eqx.is_array)), leaves, strict=True):
-        expected = NamedSharding(mesh, leaf_spec(path, leaf.shape, mesh)[0])
-        assert array.sharding.is_equivalent_to(expected, array.ndim), path
+    expected = jax.tree.leaves(named_shardings(state, mesh))
+    for (path, _), array, sharding in zip(array_leaves(eqx.filter(state, eqx.is_array)), leaves, expected,
+                                          strict=True):
+        assert array.sharding.is_equivalent_to(sharding, array.ndim), path
     # The init program never holds the whole state on one device: per-device outputs + temporaries stay well
     # below the total (an init with replicated outputs needs more than the total for temporaries alone).
     stats = compiled.memory_analysis()
@@ -227,9 +258,9 @@ def test_reshard_state_moves_a_state_between_meshes():
     mesh = make_mesh(2, 2, 2)
     many = reshard_state(one, mesh)
     assert many.mesh is mesh and one.mesh.size == 1
-    for path, leaf in array_leaves(eqx.filter(many, eqx.is_array)):
-        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, leaf_spec(path, leaf.shape, mesh)[0]),
-                                              leaf.ndim), path
+    for (path, leaf), sharding in zip(array_leaves(eqx.filter(many, eqx.is_array)),
+                                      jax.tree.leaves(named_shardings(many, mesh)), strict=True):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), path
     for a, b in zip(jax.tree.leaves(eqx.filter(one, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(many, eqx.is_array)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

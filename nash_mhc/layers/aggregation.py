@@ -1,4 +1,4 @@
-"""Aggregation of the per-scale attention outputs at each position."""
+"""Aggregation of the per-scale attention outputs at each position: nash, gate or convex."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
-from nash_mhc.ops.aggregation import combine, nash_weights, normalised_entropy, prior_weights
+from nash_mhc.ops.aggregation import combine, gate_weights, nash_weights, normalised_entropy, prior_weights
+from nash_mhc.params import param
 
 
 class Aggregated(NamedTuple):
@@ -29,29 +30,44 @@ class Aggregated(NamedTuple):
     residual: Float[Array, "*batch seq"]
 
 
-class ScaleAggregation(eqx.Module):
-    """Combine outputs O_l of the available scales at each position.
+SCALE0_PRIOR_WEIGHT = 0.99  # softmax(b) of scale 0 at initialisation, where every scale is available
 
-    ``nash``: the scales' quantal-response equilibrium (:func:`nash_mhc.ops.nash_weights`) with learned prior
-    logits b (init 0: uniform) and a learned temperature tau = exp(log_temperature) (init
-    ``temperature``), solved by ``num_iters`` best-response steps. ``convex``: softmax(b) alone, masked to
-    the available scales. Both rematerialise in the backward pass (only the stacked outputs are kept).
+
+def initial_prior(num_scales: int, weight: float = SCALE0_PRIOR_WEIGHT) -> jax.Array:
+    """Prior logits b = (beta, 0, ..., 0) with softmax(b)_0 = ``weight``: the multiscale model starts as full
+    attention (scale 0 alone) up to 1 - weight of each position's output, as mhc starts as the plain residual."""
+    beta = math.log(weight * (num_scales - 1) / (1.0 - weight))
+    return jnp.zeros((num_scales,), jnp.float32).at[0].set(beta)
+
+
+class ScaleAggregation(eqx.Module):
+    """Combine outputs O_l of the available scales at each position (:mod:`nash_mhc.ops.aggregation`).
+
+    ``nash``: the scales' quantal-response equilibrium with learned prior logits b and temperature tau =
+    exp(log_temperature) (init ``temperature``), solved to tolerance in at most ``num_iters`` Newton steps.
+    ``gate``: softmax(b + W o(O)), input-dependent per position, W [L, L, D] zero-initialised (so it starts at the
+    prior): the baseline for ``nash`` that learns from the same outputs without a game. ``convex``: softmax(b)
+    alone, masked to the available scales (a constant per layer). b starts at :func:`initial_prior` (scale 0
+    weighs :data:`SCALE0_PRIOR_WEIGHT`). All rematerialise in the backward pass (only the stacked outputs are kept).
     """
 
-    prior: Float[Array, "scales"]
-    log_temperature: Float[Array, ""] | None
+    prior: Float[Array, "scales"] = param("coefficient", "scales", group="aggregation_prior")
+    log_temperature: Float[Array, ""] | None = param("coefficient", group="nash_temperature")
+    gate: Float[Array, "scales scales dim"] | None = param("coefficient", "scales", "scales", "embed",
+                                                           group="aggregation_gate")
     mode: str = eqx.field(static=True)
     num_iters: int = eqx.field(static=True)
 
-    def __init__(self, num_scales: int, mode: str, *, num_iters: int, temperature: float):
-        self.prior = jnp.zeros((num_scales,), jnp.float32)
+    def __init__(self, num_scales: int, mode: str, *, num_iters: int, temperature: float, dim: int):
+        self.prior = initial_prior(num_scales)
         self.log_temperature = jnp.asarray(math.log(temperature), jnp.float32) if mode == "nash" else None
+        self.gate = jnp.zeros((num_scales, num_scales, dim), jnp.float32) if mode == "gate" else None
         self.mode = mode
         self.num_iters = num_iters
 
     @property
     def temperature(self) -> Float[Array, "*layers"] | None:
-        """The learned tau (per layer for a stacked module; None for the convex aggregation)."""
+        """The learned tau (per layer for a stacked module; None unless the aggregation is ``nash``)."""
         return None if self.log_temperature is None else jnp.exp(self.log_temperature)
 
     @jaxtyped(typechecker=beartype)
@@ -60,14 +76,18 @@ class ScaleAggregation(eqx.Module):
         available = jnp.broadcast_to(available, outputs.shape[:-1])
 
         @functools.partial(jax.checkpoint, prevent_cse=False)
-        def aggregate(outputs: jax.Array, params: tuple[jax.Array, jax.Array | None]) -> Aggregated:
-            prior, log_temperature = params
-            if log_temperature is None:
-                weights = prior_weights(prior, available)
-                residual = jnp.zeros(weights.shape[:-1], weights.dtype)
-            else:
+        def aggregate(outputs: jax.Array, params: tuple[jax.Array, jax.Array | None, jax.Array | None]
+                      ) -> Aggregated:
+            prior, log_temperature, gate = params
+            residual = jnp.zeros(outputs.shape[:-2], jnp.float32)
+            if log_temperature is not None:
                 weights, residual = nash_weights(outputs, available, prior, jnp.exp(log_temperature),
                                                  num_iters=self.num_iters)
-            return Aggregated(combine(outputs, weights), weights, normalised_entropy(weights, available), residual)
+            elif gate is not None:
+                weights = gate_weights(outputs, available, prior, gate)
+            else:
+                weights = prior_weights(prior, available)
+            return Aggregated(combine(outputs, weights), weights, normalised_entropy(weights, available),
+                              residual.astype(weights.dtype))
 
-        return aggregate(outputs, (self.prior, self.log_temperature))
+        return aggregate(outputs, (self.prior, self.log_temperature, self.gate))

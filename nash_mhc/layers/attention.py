@@ -13,6 +13,7 @@ from nash_mhc.layers.init import EMBED_STD, normal, output_std
 from nash_mhc.ops.attention import causal_attention
 from nash_mhc.ops.multiscale import downsample, renormalise, upsample_shifted
 from nash_mhc.ops.rope import rope
+from nash_mhc.params import param
 from nash_mhc.sharding import constrain_batch
 
 
@@ -29,11 +30,11 @@ class MultiscaleAttention(eqx.Module):
     Shapes: x [B, T, D] → (y [B, T, D], weights [B, T, L], entropy [B, T], Nash residual [B, T]).
     """
 
-    wq: Float[Array, "scales dim heads head_dim"]
-    wk: Float[Array, "scales dim heads head_dim"]
-    wv: Float[Array, "dim heads head_dim"]
-    wo: Float[Array, "heads head_dim dim"]
-    down: tuple[Float[Array, "_ dim"], ...]
+    wq: Float[Array, "scales dim heads head_dim"] = param("matmul", "scales", "embed", "heads", "head_dim")
+    wk: Float[Array, "scales dim heads head_dim"] = param("matmul", "scales", "embed", "heads", "head_dim")
+    wv: Float[Array, "dim heads head_dim"] = param("matmul", "embed", "heads", "head_dim")
+    wo: Float[Array, "heads head_dim dim"] = param("matmul", "heads", "head_dim", "embed")
+    down: tuple[Float[Array, "_ dim"], ...] = param("kernel", "block", "embed")
     aggregation: ScaleAggregation | None
     block_sizes: tuple[int, ...] = eqx.field(static=True)
     rope_theta: float = eqx.field(static=True)
@@ -51,8 +52,8 @@ class MultiscaleAttention(eqx.Module):
         self.wv = normal(kv, (dim, num_heads, head_dim), EMBED_STD)
         self.wo = normal(ko, (num_heads, head_dim, dim), output_std(num_layers))
         self.down = tuple(jnp.full((s, dim), 1.0 / s, jnp.float32) for s in block_sizes[1:])
-        self.aggregation = (ScaleAggregation(scales, aggregation, num_iters=nash_iters,
-                                             temperature=nash_temperature) if scales > 1 else None)
+        self.aggregation = (ScaleAggregation(scales, aggregation, num_iters=nash_iters, temperature=nash_temperature,
+                                             dim=dim) if scales > 1 else None)
         self.block_sizes = tuple(block_sizes)
         self.rope_theta = rope_theta
         self.norm_eps = norm_eps

@@ -12,15 +12,16 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, jaxtyped
 
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
+from nash_mhc.params import param
 from nash_mhc.sharding import constrain_batch
 
 
 class SwiGLU(eqx.Module):
     """down(silu(x W_gate) ⊙ (x W_up)); matmuls in the compute dtype, f32 parameters."""
 
-    w_gate: Float[Array, "dim hidden"]
-    w_up: Float[Array, "dim hidden"]
-    w_down: Float[Array, "hidden dim"]
+    w_gate: Float[Array, "dim hidden"] = param("matmul", "embed", "mlp")
+    w_up: Float[Array, "dim hidden"] = param("matmul", "embed", "mlp")
+    w_down: Float[Array, "hidden dim"] = param("matmul", "mlp", "embed")
     dtype: str = eqx.field(static=True)
 
     def __init__(self, dim: int, hidden: int, *, num_layers: int, dtype: str, key: jax.Array):

@@ -1,4 +1,5 @@
-"""Residual connection of one sublayer over n streams: mHC (manifold-constrained), HC (as published), or plain.
+"""Residual connection of one sublayer over n streams: mHC (manifold-constrained), mHC-lite (exactly doubly
+stochastic), HC (as published), or plain.
 
 Residual state X: [T, n, D] (T tokens, n streams, D model width). For one sublayer F (attention or FFN,
 including its own pre-norm), per token, both connections compute (H_pre [n], H_post [n], H_res [n, n]) and
@@ -11,6 +12,13 @@ mhc (Xie et al., arXiv 2512.24880), from one statistic over all n*D values:
     H_res = Sinkhorn(alpha_res reshape(a_res, n x n) + b_res)          (doubly stochastic)
   Init: b_pre = logit(1/n) (u is the mean stream), b_post = 0 (H_post = 1), b_res = tau I (tau =
   ``hc_identity_logit``; diag(H_res) ~ 0.95 for tau = 4, n = 4), alpha = 0.01, Phi ~ N(0, 1/(n D)).
+
+mhc-lite (Yang & Gao, arXiv 2601.05732): as mhc, but H_res an exact convex combination of the n! permutation
+matrices P_k (doubly stochastic by construction, no Sinkhorn):
+    [a_pre | a_post | a_perm] = x' Phi,  Phi: [n*D, 2n + n!]
+    H_res = sum_k softmax(alpha_res a_perm + b_perm)_k P_k          (P_0 = I, then itertools order)
+  Init as the paper's code: b_perm = 0 for the identity and -8 for every other permutation (H_res = 0.9923 I +
+  0.0077 x the average of the others: diag ~ 0.994); b_pre, b_post, alpha and Phi as mhc.
 
 hc: dynamic Hyper-Connections (Zhu et al., arXiv 2409.19606, as restated in the mHC paper's eq. 5), from each
 stream normalised on its own:
@@ -32,19 +40,28 @@ one-stream scalars are dropped).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.sinkhorn import sinkhorn
+from nash_mhc.params import param
 
 ALPHA_INIT = 0.01
+LITE_OTHER_LOGIT = -8.0  # mhc-lite: b_perm of every permutation but the identity (which gets 0)
+
+
+def permutation_matrices(n: int) -> np.ndarray:
+    """float32[n!, n, n]: every n x n permutation matrix, P_k[i, j] = 1 iff j = perm_k(i); the identity first."""
+    return np.eye(n, dtype=np.float32)[np.asarray(list(itertools.permutations(range(n))))]
 
 Sublayer = Callable[[Float[Array, "seq dim"]], Float[Array, "seq dim"]]
 
@@ -57,11 +74,12 @@ class HyperConnection(eqx.Module):
     """
 
     norm: RMSNorm | None
-    phi: Float[Array, "rows coeffs"] | None
-    alpha: Float[Array, "3"] | None
-    b_pre: Float[Array, "n"] | None
-    b_post: Float[Array, "n"] | None
-    b_res: Float[Array, "n n"] | None
+    phi: Float[Array, "rows coeffs"] | None = param("coefficient", "hc_rows", "hc_coeffs", group="hc_projection")
+    alpha: Float[Array, "3"] | None = param("coefficient", "hc_alpha", group="hc_alpha")
+    b_pre: Float[Array, "n"] | None = param("coefficient", "streams", group="hc_bias")
+    b_post: Float[Array, "n"] | None = param("coefficient", "streams", group="hc_bias")
+    b_res: Float[Array, "n n"] | None = param("coefficient", "streams", "streams", group="hc_bias")
+    b_perm: Float[Array, "perms"] | None = param("coefficient", "permutations", group="hc_bias")
     mode: str = eqx.field(static=True)
     num_streams: int = eqx.field(static=True)
     sinkhorn_iters: int = eqx.field(static=True)
@@ -73,17 +91,23 @@ class HyperConnection(eqx.Module):
         self.mode = "plain" if n == 1 else mode
         self.num_streams = n
         self.sinkhorn_iters = sinkhorn_iters
+        self.b_perm = None
         if self.mode == "plain":
             self.norm = self.phi = self.alpha = self.b_pre = self.b_post = self.b_res = None
             return
         self.alpha = jnp.full((3,), ALPHA_INIT, jnp.float32)
         eye = jnp.eye(n, dtype=jnp.float32)
-        if self.mode == "mhc":
+        if self.mode in ("mhc", "mhc-lite"):
+            res_columns = n * n if self.mode == "mhc" else math.factorial(n)
             self.norm = RMSNorm(n * dim, eps)
-            self.phi = jax.random.normal(key, (n * dim, 2 * n + n * n), jnp.float32) / math.sqrt(n * dim)
+            self.phi = jax.random.normal(key, (n * dim, 2 * n + res_columns), jnp.float32) / math.sqrt(n * dim)
             self.b_pre = jnp.full((n,), -math.log(n - 1), jnp.float32)  # sigma(b_pre) = 1/n
             self.b_post = jnp.zeros((n,), jnp.float32)  # H_post = 2 sigma(0) = 1
-            self.b_res = identity_logit * eye
+            if self.mode == "mhc":
+                self.b_res = identity_logit * eye
+            else:
+                self.b_res = None
+                self.b_perm = jnp.full((res_columns,), LITE_OTHER_LOGIT, jnp.float32).at[0].set(0.0)
         else:
             self.norm = RMSNorm(dim, eps)
             self.phi = jnp.zeros((dim, 2 + n), jnp.float32)  # dynamic weights start at 0
@@ -110,10 +134,13 @@ class HyperConnection(eqx.Module):
         inv_rms = jax.lax.rsqrt(jnp.mean(xf * xf, axis=(1, 2)) + self.norm.eps)
         weighted_phi = (self.norm.weight[:, None] * self.phi).reshape(n, dim, -1)
         a = jnp.einsum("tnd,ndc->tc", xf, weighted_phi) * inv_rms[:, None]
-        a_pre, a_post, a_res = a[:, :n], a[:, n:2 * n], a[:, 2 * n:].reshape(seq, n, n)
+        a_pre, a_post, a_res = a[:, :n], a[:, n:2 * n], a[:, 2 * n:]
         h_pre = jax.nn.sigmoid(self.alpha[0] * a_pre + self.b_pre)
         h_post = 2.0 * jax.nn.sigmoid(self.alpha[1] * a_post + self.b_post)
-        h_res = sinkhorn(self.alpha[2] * a_res + self.b_res, self.sinkhorn_iters)
+        if self.mode == "mhc-lite":
+            mix = jax.nn.softmax(self.alpha[2] * a_res + self.b_perm, axis=-1)
+            return h_pre, h_post, jnp.einsum("tk,kij->tij", mix, jnp.asarray(permutation_matrices(n)))
+        h_res = sinkhorn(self.alpha[2] * a_res.reshape(seq, n, n) + self.b_res, self.sinkhorn_iters)
         return h_pre, h_post, h_res
 
     @jaxtyped(typechecker=beartype)

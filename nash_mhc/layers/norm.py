@@ -8,11 +8,13 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped
 
+from nash_mhc.params import param
+
 
 class RMSNorm(eqx.Module):
     """y = x / sqrt(mean(x²) + eps) * weight over the last axis; statistics in float32, output in x's dtype."""
 
-    weight: Float[Array, "dim"]
+    weight: Float[Array, "dim"] = param("norm", "norm")
     eps: float = eqx.field(static=True)
 
     def __init__(self, dim: int, eps: float = 1e-6):

@@ -1,13 +1,15 @@
 """Pure functions of the Nash-MHC model: Sinkhorn, scale aggregation, RoPE, causal resampling, attention."""
 
 from nash_mhc.ops.aggregation import (
-                                      best_response,
-                                      combine,
-                                      masked_softmax,
-                                      nash_weights,
-                                      normalised_entropy,
-                                      prior_weights,
-                                      scale_game,
+    combine,
+    gate_weights,
+    masked_softmax,
+    nash_weights,
+    normalised_entropy,
+    normalised_outputs,
+    prior_weights,
+    scale_game,
+    solve_equilibrium,
 )
 from nash_mhc.ops.attention import causal_attention, masked_attention
 from nash_mhc.ops.multiscale import available_mask, choice_mask, downsample, num_blocks, renormalise, upsample_shifted
@@ -16,20 +18,22 @@ from nash_mhc.ops.sinkhorn import sinkhorn
 
 __all__ = [
     "available_mask",
-    "best_response",
     "choice_mask",
     "causal_attention",
     "combine",
+    "gate_weights",
     "downsample",
     "masked_attention",
     "masked_softmax",
     "nash_weights",
     "normalised_entropy",
+    "normalised_outputs",
     "num_blocks",
     "prior_weights",
     "renormalise",
     "rope",
     "scale_game",
     "sinkhorn",
+    "solve_equilibrium",
     "upsample_shifted",
 ]

@@ -1,5 +1,5 @@
 """Per-position aggregation of the multiscale attention outputs: the scales' Nash (quantal response)
-equilibrium, or a convex (prior-only) average.
+equilibrium, an input-dependent gate, or the prior alone (convex).
 
 The game at one position (L scales, a <= L of them available there, outputs O_l in R^D, weights w on the
 simplex of the available scales, prior logits b, learned temperature tau > 0):
@@ -10,38 +10,51 @@ simplex of the available scales, prior logits b, learned temperature tau > 0):
     equilibrium  w = BR(w) = softmax over the available scales of u(w)   (logit quantal response)
 
 e is the squared distance to the consensus *relative to the outputs' own scale*: multiplying every O_l by c
-leaves e, the weights and their entropy unchanged, so rescaling V and W_o cannot move them. The game depends
-on the outputs only through the normalised Gram matrix G_lm = <O_l, O_m> / (D S), since
-e_l(w) = G_ll - 2 (G w)_l + w^T G w; the iterations therefore cost O(L^2) per position after one O(L^2 D)
-Gram product.
+leaves e, the weights and their entropy unchanged, so rescaling V and W_o cannot move them. Distances do not
+change when every output is shifted alike, so the game depends on the outputs only through C, the Gram matrix of
+the centred outputs O_l - mean_m O_m over D S: e_l(w) = (delta_l - w)^T C (delta_l - w).
 
-Uniqueness and convergence. On the simplex the Jacobian of BR is (2 / tau_t) Sigma_p C, where
-Sigma_p = diag(p) - p p^T (norm <= 1/2) and C is G centred over the available scales (the Gram matrix of the
-centred outputs O_l - mean_l O_l, normalised by D S). So BR is a contraction with factor
-<= lambda_max(C) / tau_t. The code uses the *effective* temperature tau_t = tau + 2 |C|_F (|C|_F >=
-lambda_max(C), smooth, scale-invariant), which makes the factor <= 1/2 at every position for every input:
-the equilibrium exists, is unique (it is also the unique maximiser of the strictly concave potential
-<b, w> - V(w) / (tau_t D S) + H(w), V(w) = sum_l w_l |O_l|^2 - |O*|^2), and k iterations from the prior
-leave a residual max_l |w_k - BR(w_k)|_l <= sqrt(2) 2^-k. The Jacobian's eigenvalues are real and lie in
-[0, 1/2] (a product of two positive semi-definite matrices), so the iteration is run undamped: a damping
-factor < 1 could only slow it. The learned tau sets how strongly the weights follow the game beyond that
-floor; where the scales agree (C ~ 0) the weights fall back to softmax(b).
+The effective temperature is tau_t = tau + c lambda_max(C) with c = :data:`FLOOR` (just above 1). What it gives:
 
-All of it is smooth (no sqrt at 0: |C|_F = sqrt(sum C^2 + 1e-12); all-zero outputs, S = 0, give G = 0 and the
-prior's weights with finite gradients), computed in float32 (or float64 for
-float64 inputs), differentiated by unrolling the fixed number of iterations, and per position: weights are
-never pooled over the sequence, which would leak the future. Leading axes are batch.
+* **Uniqueness and convergence.** The best-response map in logit space z -> b - e(softmax z) / tau_t has the
+  Jacobian (2 / tau_t) (C - 1 (C w)^T) Sigma_w, Sigma_w = diag(w) - w w^T (eigenvalues in [0, 1/2]); its
+  eigenvalues are real and lie in [0, lambda_max / tau_t) subset [0, 1/c), so it is a contraction and the
+  equilibrium is unique. Equivalently the potential <b, w> - V(w) / tau_t + H(w) is strictly concave on the
+  simplex (V(w) = w^T diag(C) - w^T C w: its Hessian on zero-sum v is 2 v^T C v / tau_t - sum v_l^2 / w_l <=
+  2 (lambda_max / tau_t - 1) |v|^2 < 0), and the equilibrium is its maximiser.
+* **Room to act (the proven bound).** e_l = (delta_l - w)^T C (delta_l - w) lies in
+  [0, 2 lambda_max (1 - w_l)^2], so at the equilibrium, for available scales l, m,
+
+      |log(w_l / w_m) - (b_l - b_m)| <= 2 lambda_max max((1 - w_l)^2, (1 - w_m)^2) / tau_t < 2 / c,
+
+  and every weight lies within a factor exp(2 / c) of its prior weight softmax(b)_l. The bound is tight: two
+  opposed scales with the prior on the first approach it as tau -> 0. (The floor tau + 2 |C|_F used before kept
+  each move below 1 nat; with c = 1.05 a log-odds can move by up to 1.90 nats.)
+
+The game is a conformity game: a scale far from the consensus loses weight, so an outlier scale is discounted and
+the scales that agree gain; where every scale agrees (C = 0) the weights are softmax(b).
+
+Solver: safeguarded Newton in logit space (each step takes whichever of the Newton step and the plain
+best-response step leaves the smaller residual; L <= a few, so the L x L solves are cheap), from z = b, until
+max_l |w - BR(w)| <= the dtype's tolerance or ``max_iters`` steps. Differentiated implicitly (a custom JVP: dz* =
+(I - J)^-1 dT, so reverse mode transposes one linear solve), never through the iterations. lambda_max comes from
+``eigvalsh``: finite (sub)gradients everywhere, including C = 0. Computed in float32 (float64 for float64
+inputs), per position: weights are never pooled over the sequence, which would leak the future.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
-SPREAD_EPS = 1e-12  # inside |C|_F's sqrt: keeps its gradient finite when every scale agrees (C = 0)
+FLOOR = 1.05  # c of tau_t = tau + c lambda_max(C): every log-odds moves by < 2 / c = 1.90 nats from the prior
 SCALE_FLOOR = 1e-30  # outputs with mean square below this count as all zero (their game is the prior's)
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-6, jnp.dtype(jnp.float64): 1e-12}  # target max_l |w - BR(w)|
 
 
 def _compute_dtype(*arrays: jax.Array) -> jnp.dtype:
@@ -63,39 +76,103 @@ def masked_softmax(logits: Float[Array, "*batch scales"], available: Bool[Array,
 
 
 @jaxtyped(typechecker=beartype)
+def normalised_outputs(outputs: Float[Array, "*batch scales dim"], available: Bool[Array, "*#batch scales"]
+                       ) -> Float[Array, "*batch scales dim"]:
+    """O_l / sqrt(S), S = mean over the available scales of |O_l|^2 / D (0 on unavailable scales), in the compute
+    dtype: what the game and the gate read, unchanged when every output is rescaled alike."""
+    dtype = _compute_dtype(outputs)
+    o = jnp.where(available[..., None], outputs.astype(dtype), 0.0)
+    count = jnp.maximum(jnp.sum(jnp.broadcast_to(available, o.shape[:-1]), axis=-1), 1)
+    scale = jnp.sum(jnp.mean(o * o, axis=-1), axis=-1) / count
+    # All-zero outputs (S = 0) stay zero; dividing by 1 there keeps the gradient finite (no 1/tiny).
+    return o * jax.lax.rsqrt(jnp.where(scale > SCALE_FLOOR, scale, 1.0))[..., None, None]
+
+
+@jaxtyped(typechecker=beartype)
 def scale_game(outputs: Float[Array, "*batch scales dim"], available: Bool[Array, "*#batch scales"]
                ) -> tuple[Float[Array, "*batch scales scales"], Float[Array, "*batch"]]:
-    """(G, |C|_F): the normalised Gram matrix of the available outputs and the spread bound of the game.
-
-    G_lm = <O_l, O_m> / (D S) over available l, m (0 elsewhere), S = mean of |O_l|^2 / D over the available
-    scales. C = G centred over the available scales; |C|_F >= lambda_max(C) bounds the best-response
-    map's Lipschitz constant (module docstring).
-    """
-    dtype = _compute_dtype(outputs)
-    o = outputs.astype(dtype)
-    mask = jnp.broadcast_to(available, o.shape[:-1]).astype(dtype)
-    pair = mask[..., :, None] * mask[..., None, :]
-    gram = jnp.einsum("...ld,...md->...lm", o, o) / o.shape[-1] * pair
+    """(C, lambda_max(C)): the Gram matrix of the centred available outputs over D S (0 on unavailable rows and
+    columns) and its largest eigenvalue."""
+    o = normalised_outputs(outputs, available)
+    mask = jnp.broadcast_to(available, o.shape[:-1]).astype(o.dtype)
     count = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
-    scale = jnp.sum(jnp.diagonal(gram, axis1=-2, axis2=-1), axis=-1) / count
-    # All-zero outputs (S = 0) give G = 0; dividing by 1 there keeps the gradient finite (no 1/tiny).
-    gram = gram / jnp.where(scale > SCALE_FLOOR, scale, 1.0)[..., None, None]
-    row = jnp.sum(gram, axis=-1) / count[..., None]  # mean over m of G_lm
-    total = jnp.sum(row, axis=-1) / count  # mean over l, m
-    centred = (gram - row[..., :, None] - row[..., None, :] + total[..., None, None]) * pair
-    spread = jnp.sqrt(jnp.sum(jnp.square(centred), axis=(-2, -1)) + SPREAD_EPS)
-    return gram, spread
+    mean = jnp.sum(o, axis=-2, keepdims=True) / count[..., None, None]
+    centred = (o - mean) * mask[..., None]
+    gram = jnp.einsum("...ld,...md->...lm", centred, centred) / o.shape[-1]
+    return gram, jnp.linalg.eigvalsh(gram)[..., -1]
 
 
-def best_response(weights: jax.Array, gram: jax.Array, prior: jax.Array, temperature: jax.Array,
-                  available: jax.Array) -> jax.Array:
-    """BR(w) = softmax(prior - e(w) / temperature) over the available scales, e from the Gram matrix.
+def _best_logits(z: jax.Array, gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(T(z), w): the best-response logits b - e(w) / tau_t at w = softmax(z) (0 on unavailable scales)."""
+    w = masked_softmax(z, available)
+    cw = jnp.einsum("...lm,...m->...l", gram, w)
+    err = jnp.diagonal(gram, axis1=-2, axis2=-1) - 2.0 * cw + jnp.sum(w * cw, axis=-1, keepdims=True)
+    return jnp.where(available, prior - err / temperature[..., None], 0.0), w
 
-    weights [..., L], gram [..., L, L], prior [L], temperature [...] (the effective one), available [..., L].
-    """
-    gw = jnp.einsum("...lm,...m->...l", gram, weights)
-    err = jnp.diagonal(gram, axis1=-2, axis2=-1) - 2.0 * gw + jnp.sum(weights * gw, axis=-1, keepdims=True)
-    return masked_softmax(prior - err / temperature[..., None], available)
+
+def _newton_matrix(w: jax.Array, gram: jax.Array, temperature: jax.Array, available: jax.Array) -> jax.Array:
+    """I - dT/dz at weights w: I - (2 / tau_t) (C - 1 (C w)^T) Sigma_w on the available rows (identity rows on
+    the others, whose residual is z itself)."""
+    cw = jnp.einsum("...lm,...m->...l", gram, w)
+    sigma = jnp.einsum("...l,lm->...lm", w, jnp.eye(w.shape[-1], dtype=w.dtype)) - w[..., :, None] * w[..., None, :]
+    jac = 2.0 / temperature[..., None, None] * jnp.einsum("...lk,...km->...lm", gram - cw[..., None, :], sigma)
+    jac = jnp.where(available[..., :, None], jac, 0.0)
+    return jnp.eye(w.shape[-1], dtype=w.dtype) - jac
+
+
+def _residual(z: jax.Array, gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array
+              ) -> jax.Array:
+    """max_l |w - BR(w)| per position at w = softmax(z)."""
+    logits, w = _best_logits(z, gram, prior, temperature, available)
+    return jnp.max(jnp.abs(masked_softmax(logits, available) - w), axis=-1)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def solve_equilibrium(gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array,
+                      max_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(w, max_l |w - BR(w)|, z) of the game of centred Gram matrix ``gram`` [..., L, L], prior logits ``prior``
+    [..., L], effective temperature ``temperature`` [...] (> lambda_max(gram)): the equilibrium weights, their
+    residual and logits (w = softmax(z) over ``available``); see the module docstring."""
+    tol = TOLERANCE.get(jnp.dtype(gram.dtype), 1e-6)
+
+    def residual_of(z: jax.Array) -> jax.Array:
+        return jnp.where(available, z - _best_logits(z, gram, prior, temperature, available)[0], z)
+
+    def step(carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        z, r, i = carry
+        w = masked_softmax(z, available)
+        newton = z - jnp.linalg.solve(_newton_matrix(w, gram, temperature, available), r[..., None])[..., 0]
+        plain = z - r
+        r_newton, r_plain = residual_of(newton), residual_of(plain)
+        better = jnp.max(jnp.abs(r_newton), -1, keepdims=True) <= jnp.max(jnp.abs(r_plain), -1, keepdims=True)
+        better &= jnp.all(jnp.isfinite(newton), -1, keepdims=True)
+        return jnp.where(better, newton, plain), jnp.where(better, r_newton, r_plain), i + 1
+
+    def unconverged(carry: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        z, _, i = carry
+        return (i < max_iters) & (jnp.max(_residual(z, gram, prior, temperature, available)) > tol)
+
+    z0 = jnp.where(available, prior, 0.0)
+    z, _, _ = jax.lax.while_loop(unconverged, step, (z0, residual_of(z0), jnp.asarray(0)))
+    return masked_softmax(z, available), _residual(z, gram, prior, temperature, available), z
+
+
+@solve_equilibrium.defjvp
+def _solve_equilibrium_jvp(max_iters: int, primals: tuple[Any, ...], tangents: tuple[Any, ...]
+                           ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Implicit differentiation at the equilibrium z* = T(z*; theta): dz* = (I - dT/dz)^-1 dT/dtheta dtheta."""
+    gram, prior, temperature, available = primals
+    d_gram, d_prior, d_temperature, _ = tangents
+    w, residual, z = solve_equilibrium(gram, prior, temperature, available, max_iters)
+
+    def best(g: jax.Array, p: jax.Array, t: jax.Array) -> jax.Array:
+        return _best_logits(z, g, p, t, available)[0]
+
+    _, rhs = jax.jvp(best, (gram, prior, temperature), (d_gram, d_prior, d_temperature))
+    dz = jnp.linalg.solve(_newton_matrix(w, gram, temperature, available), rhs[..., None])[..., 0]
+    dw = jnp.where(available, w * (dz - jnp.sum(w * dz, axis=-1, keepdims=True)), 0.0)  # softmax's Jacobian
+    return (w, residual, z), (dw, jnp.zeros_like(residual), jnp.where(available, dz, 0.0))
 
 
 @jaxtyped(typechecker=beartype)
@@ -109,24 +186,19 @@ def nash_weights(
 ) -> tuple[Float[Array, "*batch scales"], Float[Array, "*batch"]]:
     """(weights, residual): the scales' quantal-response equilibrium at every position, and how far from it.
 
-    ``temperature`` is the learned tau > 0; the game uses tau + 2 |C|_F (module docstring), so ``num_iters``
-    undamped best-response steps from w_0 = softmax(prior) leave a residual max_l |w - BR(w)| <=
-    sqrt(2) 2^-num_iters. Unavailable scales get weight exactly 0; a position with one available scale gets
-    weight 1 on it and residual 0. Gradients reach the outputs (through G), the prior and the temperature.
+    ``temperature`` is the learned tau > 0; the game uses tau + :data:`FLOOR` lambda_max(C) (module docstring),
+    solved by at most ``num_iters`` safeguarded Newton steps to the dtype's :data:`TOLERANCE`. Unavailable
+    scales get weight exactly 0; a position with one available scale gets weight 1 on it and residual 0.
+    Gradients reach the outputs (through C), the prior and the temperature.
     """
     if num_iters < 1:
         raise ValueError(f"nash_weights needs num_iters >= 1, got {num_iters}")
     dtype = _compute_dtype(outputs, prior, temperature)
     gram, spread = scale_game(outputs, available)
-    effective = temperature.astype(dtype) + 2.0 * spread
-    prior = prior.astype(dtype)
-    weights = masked_softmax(jnp.broadcast_to(prior, gram.shape[:-1]), available)
-
-    def step(w: jax.Array, _: None) -> tuple[jax.Array, None]:
-        return best_response(w, gram, prior, effective, available), None
-
-    weights, _ = jax.lax.scan(step, weights, None, length=num_iters)
-    residual = jnp.max(jnp.abs(best_response(weights, gram, prior, effective, available) - weights), axis=-1)
+    effective = temperature.astype(dtype) + FLOOR * spread
+    available = jnp.broadcast_to(available, gram.shape[:-1])
+    weights, residual, _ = solve_equilibrium(gram, jnp.broadcast_to(prior.astype(dtype), available.shape),
+                                             effective, available, num_iters)
     return weights, residual
 
 
@@ -135,6 +207,20 @@ def prior_weights(prior: Float[Array, "scales"], available: Bool[Array, "*batch 
                   ) -> Float[Array, "*batch scales"]:
     """The convex aggregation: softmax of the learned per-scale logits over the available scales."""
     return masked_softmax(jnp.broadcast_to(prior, available.shape), available)
+
+
+@jaxtyped(typechecker=beartype)
+def gate_weights(outputs: Float[Array, "*batch scales dim"], available: Bool[Array, "*#batch scales"],
+                 prior: Float[Array, "scales"], gate: Float[Array, "scales scales dim"]
+                 ) -> Float[Array, "*batch scales"]:
+    """The gate aggregation: softmax over the available scales of b_l + sum_m <W_lm, O_m> / sqrt(D S).
+
+    The logits read every available scale's output, normalised like the game's (:func:`normalised_outputs`, so
+    rescaling V or W_o cannot move them); ``gate`` W [L, L, D] starts at 0, so the weights start at the prior.
+    """
+    o = normalised_outputs(outputs, available)
+    logits = prior.astype(o.dtype) + jnp.einsum("...md,lmd->...l", o, gate.astype(o.dtype)) / o.shape[-1] ** 0.5
+    return masked_softmax(logits, available)
 
 
 @jaxtyped(typechecker=beartype)
@@ -160,5 +246,5 @@ def normalised_entropy(weights: Float[Array, "*batch scales"], available: Bool[A
     return jnp.where(choice, entropy / jnp.log(jnp.where(choice, count, 2).astype(weights.dtype)), 0.0)
 
 
-__all__ = ["best_response", "combine", "masked_softmax", "nash_weights", "normalised_entropy", "prior_weights",
-           "scale_game"]
+__all__ = ["FLOOR", "combine", "gate_weights", "masked_softmax", "nash_weights", "normalised_entropy",
+           "normalised_outputs", "prior_weights", "scale_game", "solve_equilibrium"]

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from nash_mhc.cli import add_compile_cache_argument
 from nash_mhc.config import ModelConfig
+from nash_mhc.model import num_params
 from nash_mhc.study import report
 from nash_mhc.study.runner import (
     ChildRunner,
@@ -187,7 +188,7 @@ def summarise(settings: Settings, run: Run, directory: Path, evaluation: dict[st
         "eval_bytes": evaluation["bytes"] if evaluation else None,
         "final_train_loss": float(np.mean(tail)) if tail else None,
         "last_step": records[-1]["step"] if records else 0,
-        "params": config.num_params(), "flops_per_token": config.flops_per_token(),
+        "params": num_params(config), "flops_per_token": config.flops_per_token(),
         "tokens_trained": settings.steps * int(resolved["train_config"]["batch_size"]) * config.seq_len,
         "step_time_s": _median_step_time(records),
         "wall_s": sum(s["wall_s"] for s in sessions), "sessions": len(sessions),

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from nash_mhc.config import ModelConfig
+from nash_mhc.model import num_params
 from nash_mhc.study.gains import composite_gains
 from nash_mhc.study.runner import ChildRunner
 from nash_mhc.study.variants import ATTENTIONS
@@ -111,6 +112,6 @@ def train_run(settings: Settings, run: Run, runner: ChildRunner) -> dict[str, An
     diverged = in_a_row >= settings.max_nonfinite_steps
     return {**dataclasses.asdict(run), "status": "diverged" if diverged else "finished",
             "steps_done": len(losses), "loss": losses, "grad_norm": grad_norms, "nonfinite_steps": nonfinite,
-            "probes": {str(k): v for k, v in sorted(probes.items())}, "params": config.num_params(),
+            "probes": {str(k): v for k, v in sorted(probes.items())}, "params": num_params(config),
             "step_time_s": float(np.median(step_times[1:] or step_times)),
             "wall_s": time.perf_counter() - start}

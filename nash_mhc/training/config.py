@@ -43,7 +43,12 @@ class TrainConfig(ConfigMethods):
     lr_schedule_steps: int | None = setting(None, "length of the cosine schedule (default: --total-steps); fix "
                                                   "it to stop early and resume on the same schedule",
                                             check=POSITIVE_INT)
-    weight_decay: float = setting(0.1, "AdamW weight decay (matrices only)", check=NON_NEGATIVE)
+    weight_decay: float = setting(0.1, "AdamW weight decay (parameters whose declared role is a matmul weight or an "
+                                       "untied LM head)", check=NON_NEGATIVE)
+    coefficient_lr_scale: float = setting(10.0, "learning-rate multiplier of the coefficient group (mHC/HC alpha, "
+                                                "biases and projection, mhc-lite logits, the aggregation prior, "
+                                                "temperature and gate), which takes no weight decay",
+                                          check=POSITIVE)
     beta1: float = setting(0.9, "AdamW beta1", check=between(0, 1, high_open=True))
     beta2: float = setting(0.95, "AdamW beta2", check=between(0, 1, high_open=True))
     eps: float = setting(1e-8, "AdamW epsilon", check=POSITIVE)

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from nash_mhc.config import ModelConfig
 from nash_mhc.hardware import captured_native_stderr, detect_accelerator, libtpu_installed, tpu_chips_on_pci
+from nash_mhc.model import num_params
 from nash_mhc.sharding import batch_spec, make_mesh
 from nash_mhc.training import step as train_step_module
 from nash_mhc.training.config import TrainConfig
@@ -278,7 +279,7 @@ def parse_out_of_memory(message: str) -> tuple[str, int | None, int | None] | No
 
 def describe_model(model_config: ModelConfig, train_config: TrainConfig) -> str:
     config = training_model_config(model_config, train_config)
-    params = sum(config.param_counts().values())
+    params = num_params(config)
     return (f"{params:,} parameters, d_model {config.d_model}, {config.num_layers} layers, "
             f"{config.num_streams} streams, {config.dtype}, remat {config.remat}"
             + (f" in groups of {config.remat_group}" if config.remat != "none" and config.remat_group > 1 else ""))

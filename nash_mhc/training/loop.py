@@ -26,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from nash_mhc import hardware, paths
-from nash_mhc.config import ModelConfig, describe
+from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig, PackedDataset, Prefetcher, Tokenizer, open_windows
+from nash_mhc.model import describe
 from nash_mhc.sharding import MeshConfig, batch_shards, sharding_summary
 from nash_mhc.training.checkpoint import Checkpointer, CheckpointError, config_differences, find_checkpoint
 from nash_mhc.training.config import RunConfig, TrainConfig
@@ -43,7 +44,7 @@ from nash_mhc.training.resume import (
     set_aside,
 )
 from nash_mhc.training.run_lock import RunLock
-from nash_mhc.training.state import Batch, TrainState, init_train_state
+from nash_mhc.training.state import Batch, TrainState, init_train_state, with_model
 from nash_mhc.training.step import train_step
 from nash_mhc.training.throughput import MFUMeter
 
@@ -221,7 +222,7 @@ def prepare(configs: Configs) -> Session:
             if resume:
                 state, start_step = restored, int(meta["step"])
             else:
-                state = eqx.tree_at(lambda s: s.model, state, restored.model)  # init: weights only
+                state = with_model(state, restored.model)  # init: weights only
         is_main = jax.process_index() == 0
         _make_directory(directory)
         if lock is None:

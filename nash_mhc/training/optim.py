@@ -1,4 +1,4 @@
-"""AdamW with linear warmup + cosine decay, global-norm clipping and matrices-only weight decay.
+"""AdamW with linear warmup + cosine decay, global-norm clipping, weight decay and learning-rate groups by role.
 
 The whole chain is wrapped in ``optax.inject_hyperparams`` so the learning rate of the step just taken is
 readable from the state: ``opt_state.hyperparams["learning_rate"]`` (see :func:`current_learning_rate`).
@@ -7,36 +7,25 @@ readable from the state: ``opt_state.hyperparams["learning_rate"]`` (see :func:`
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
-from nash_mhc.sharding import path_str
+from nash_mhc.params import role_mask
 from nash_mhc.training.config import TrainConfig
-
-# Leaves that receive weight decay: the matmul weights (attention, FFN, the mHC projection Φ, an untied LM
-# head). Not decayed: the embedding (tied or not), RMSNorm gains, mHC α scalars and b biases, the
-# downsampling kernels and the aggregation prior. Matched at the end of the attribute path.
-DECAY_PATTERNS = (
-    r"attn\.w[qkvo]",
-    r"ffn\.w_(?:gate|up|down)",
-    r"\w*hc\.phi",
-    r"head",
-)
-_DECAY = tuple(re.compile(r"(?:^|\.)" + pattern + r"$") for pattern in DECAY_PATTERNS)
-
-
-def is_decayed(path: str) -> bool:
-    return any(pattern.search(path) for pattern in _DECAY)
 
 
 def decay_mask(params: PyTree) -> PyTree:
-    """True for leaves that get weight decay (see :data:`DECAY_PATTERNS`), False elsewhere."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: is_decayed(path_str(path)), params)
+    """True for the leaves whose declared role takes weight decay (the matmul weights and an untied LM head;
+    :mod:`nash_mhc.params`), False elsewhere."""
+    return role_mask(params, lambda decl: decl.role.decay)
+
+
+def coefficient_mask(params: PyTree) -> PyTree:
+    """True for the leaves of the coefficient learning-rate group (declared role ``coefficient``)."""
+    return role_mask(params, lambda decl: decl.role.coefficient)
 
 
 def make_schedule(config: TrainConfig) -> optax.Schedule:
@@ -61,7 +50,9 @@ def make_schedule(config: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """clip_by_global_norm → AdamW(β1, β2, eps, decoupled weight decay on matrices), lr by schedule."""
+    """clip_by_global_norm → AdamW(β1, β2, eps, decoupled weight decay on the decayed roles), lr by schedule, then
+    the coefficient group's updates × ``coefficient_lr_scale`` (its parameters take no weight decay, so this is
+    AdamW at ``coefficient_lr_scale`` × the learning rate for them)."""
 
     def chain(learning_rate: Any) -> optax.GradientTransformation:
         parts = []
@@ -69,6 +60,7 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
             parts.append(optax.clip_by_global_norm(config.grad_clip))
         parts.append(optax.adamw(learning_rate, b1=config.beta1, b2=config.beta2, eps=config.eps,
                                  weight_decay=config.weight_decay, mask=decay_mask))
+        parts.append(optax.masked(optax.scale(config.coefficient_lr_scale), coefficient_mask))
         return optax.chain(*parts)
 
     return optax.inject_hyperparams(chain)(learning_rate=make_schedule(config))

@@ -18,14 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from nash_mhc.config import ModelConfig
 from nash_mhc.model import LanguageModel
-from nash_mhc.sharding import leaf_spec, path_str
+from nash_mhc.sharding import named_shardings
 from nash_mhc.training.config import TrainConfig
-from nash_mhc.training.optim import make_optimizer
+from nash_mhc.training.optim import coefficient_mask, make_optimizer
 
 
 class Batch(eqx.Module):
@@ -54,6 +54,8 @@ class TrainState(eqx.Module):
 
     model: the LanguageModel (float32 parameters, sharded by the rules).
     opt_state: optax state (same sharding as the parameters; scalars replicated).
+    anchor: the coefficient parameters' values at the start of training (the model's tree, None elsewhere), from
+      which ``travel/<group>`` is measured (:func:`coefficient_anchor`).
     step: number of updates applied (= the optimizer/schedule count).
     skipped: number of steps whose update was skipped because the gradients were not finite.
     Static: the optimizer (``GradientTransformation``), the TrainConfig and the mesh.
@@ -61,6 +63,7 @@ class TrainState(eqx.Module):
 
     model: LanguageModel
     opt_state: PyTree
+    anchor: LanguageModel
     step: Int[Array, ""]
     skipped: Int[Array, ""]
     optimizer: optax.GradientTransformation = eqx.field(static=True)
@@ -71,6 +74,19 @@ class TrainState(eqx.Module):
     def params(self) -> PyTree:
         """The trainable leaves of the model (float arrays; everything else None)."""
         return eqx.filter(self.model, eqx.is_inexact_array)
+
+
+def coefficient_anchor(model: LanguageModel) -> LanguageModel:
+    """A copy of ``model``'s coefficient parameters (declared role ``coefficient``; None elsewhere): where their
+    travel is measured from."""
+    return eqx.filter(model, coefficient_mask(model))
+
+
+def with_model(state: TrainState, model: LanguageModel) -> TrainState:
+    """``state`` training ``model`` from here: the weights replaced and the travel anchor reset to them (the
+    optimizer state is kept; ``--init-from`` starts a fresh one anyway)."""
+    return eqx.tree_at(lambda s: (s.model, s.anchor), state, (model, coefficient_anchor(model)),
+                       is_leaf=lambda x: x is None)
 
 
 def training_model_config(model_config: ModelConfig, train_config: TrainConfig) -> ModelConfig:
@@ -99,14 +115,13 @@ def state_initializer(model_config: ModelConfig, train_config: TrainConfig, mesh
         model = LanguageModel(model_config, key=key)
         opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
         zero = jnp.zeros((), jnp.int32)
-        return TrainState(model=model, opt_state=opt_state, step=zero, skipped=zero, optimizer=optimizer,
-                          train_config=train_config, mesh=mesh)
+        return TrainState(model=model, opt_state=opt_state, anchor=coefficient_anchor(model), step=zero, skipped=zero,
+                          optimizer=optimizer, train_config=train_config, mesh=mesh)
 
     abstract = eqx.filter_eval_shape(build, key)
     arrays, static = eqx.partition(abstract, _is_shape)
-    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(arrays)
-    shardings = [NamedSharding(mesh, leaf_spec(path_str(path), leaf.shape, mesh)[0])
-                 for path, leaf in leaves_with_path]
+    treedef = jax.tree.structure(arrays)
+    shardings = jax.tree.leaves(named_shardings(abstract, mesh))
 
     def init_leaves(key: jax.Array) -> list[jax.Array]:
         return jax.tree.leaves(eqx.filter(build(key), eqx.is_array))
@@ -125,12 +140,11 @@ def reshard_state(state: TrainState, mesh: Mesh) -> TrainState:
     """
     moved = dataclasses.replace(state, mesh=mesh)
     arrays, static = eqx.partition(moved, eqx.is_array)
-    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(arrays)
-    shardings = [NamedSharding(mesh, leaf_spec(path_str(path), leaf.shape, mesh)[0])
-                 for path, leaf in leaves_with_path]
+    leaves, treedef = jax.tree.flatten(arrays)
+    shardings = jax.tree.leaves(named_shardings(moved, mesh))
     # Explicit copies: device_put(may_alias=False) can still alias the source buffer for a shard on the
     # source device (seen with replicated outputs, JAX 0.10.2), and a later donation would delete both.
-    leaves = jax.device_put([jnp.copy(leaf) for _, leaf in leaves_with_path], shardings)
+    leaves = jax.device_put([jnp.copy(leaf) for leaf in leaves], shardings)
     return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
 
 

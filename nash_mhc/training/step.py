@@ -41,6 +41,7 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from nash_mhc.model import LanguageModel
 from nash_mhc.ops.multiscale import choice_mask
+from nash_mhc.params import map_declared
 from nash_mhc.sharding import BATCH_AXES, TP, batch_shards, batch_spec, constrain, make_mesh, shard_batch
 from nash_mhc.training.optim import current_learning_rate
 from nash_mhc.training.state import Batch, TrainState
@@ -243,7 +244,7 @@ def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
     new_params = jax.tree.map(keep_if_finite, new_params, params)
     opt_state = jax.tree.map(keep_if_finite, opt_state, state.opt_state)
     skipped = (~finite).astype(jnp.int32)
-    new_state = TrainState(model=eqx.combine(new_params, static), opt_state=opt_state,
+    new_state = TrainState(model=eqx.combine(new_params, static), opt_state=opt_state, anchor=state.anchor,
                            step=state.step + (1 - skipped), skipped=state.skipped + skipped,
                            optimizer=state.optimizer, train_config=config, mesh=mesh)
     new_state = constrain(new_state, mesh)
@@ -256,6 +257,7 @@ def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
         "tokens": count,
         "skipped": skipped.astype(jnp.float32),
         **diagnostic_metrics(diagnostics, state.model),
+        **travel(new_state.model, state.anchor),
     }
     return new_state, metrics
 
@@ -274,6 +276,23 @@ def diagnostic_metrics(diagnostics: dict[str, jax.Array], model: LanguageModel) 
     if temperatures is not None:
         metrics["nash_temperature"] = jnp.mean(temperatures)
     return metrics
+
+
+def travel(model: LanguageModel, anchor: LanguageModel) -> Metrics:
+    """``travel/<group>``: the RMS distance of each coefficient group's parameters (their declared group,
+    :mod:`nash_mhc.params`) from their values in ``anchor`` (the start of training)."""
+    start: dict[str, jax.Array] = {}
+    map_declared(lambda path, leaf, decl, axes: start.__setitem__(path, leaf), anchor)
+    sums: dict[str, list[Any]] = {}
+
+    def add(path: str, leaf: Any, decl: Any, axes: Any) -> None:
+        if decl is not None and decl.role.coefficient:
+            total = sums.setdefault(decl.group, [jnp.zeros((), jnp.float32), 0])
+            total[0] = total[0] + jnp.sum(jnp.square(leaf.astype(jnp.float32) - start[path]))
+            total[1] += leaf.size
+
+    map_declared(add, eqx.filter(model, eqx.is_inexact_array))
+    return {f"travel/{group}": jnp.sqrt(total / count) for group, (total, count) in sorted(sums.items())}
 
 
 _train_step_jit = eqx.filter_jit(_train_step, donate="all-except-first")
