@@ -1,4 +1,4 @@
-"""Apply each model mutation of issue 15 to a scratch copy of the repository and list the quick tests it fails.
+"""Apply each model mutation (issues 15 and 24) to a scratch copy of the repository and list the quick tests it fails.
 
     python tests/mutations.py [NAME ...]      (all mutations when no name is given)
 
@@ -38,8 +38,25 @@ MUTATIONS = {
                                       "jnp.zeros((*batch, block, dim), y.dtype), repeated")],
                                     [REFERENCE, "tests/test_golden.py"]),
     "Nash temperature ignored": ("nash_mhc/ops/aggregation.py",
-                                 [("effective = temperature.astype(dtype) + 2.0 * spread",
-                                   "effective = 1.0 + 2.0 * spread")], [REFERENCE, "tests/test_nash.py"]),
+                                 [("effective = temperature.astype(dtype) + FLOOR * spread",
+                                   "effective = 1.0 + FLOOR * spread")], [REFERENCE, "tests/test_nash.py"]),
+    "Nash floor 2|C|_F (the old one)": ("nash_mhc/ops/aggregation.py",
+                                        [("effective = temperature.astype(dtype) + FLOOR * spread",
+                                          "effective = temperature.astype(dtype) + 2.0 * jnp.sqrt(jnp.sum(gram**2, "
+                                          "axis=(-2, -1)) + 1e-12)")], [REFERENCE, "tests/test_nash.py"]),
+    "Nash gradient through the prior only": ("nash_mhc/ops/aggregation.py",
+                                             [("(d_gram, d_prior, d_temperature))",
+                                               "(jnp.zeros_like(d_gram), d_prior, jnp.zeros_like(d_temperature)))")],
+                                             ["tests/test_nash.py"]),
+    "gate ignores the other scales": ("nash_mhc/ops/aggregation.py",
+                                      [('jnp.einsum("...md,lmd->...l", o, gate.astype(o.dtype))',
+                                        'jnp.einsum("...ld,lld->...l", o, gate.astype(o.dtype))')],
+                                      [REFERENCE, "tests/test_nash.py"]),
+    "mhc-lite permutations transposed": ("nash_mhc/layers/hyperconnection.py",
+                                         [('jnp.einsum("tk,kij->tij", mix,', 'jnp.einsum("tk,kji->tij", mix,')],
+                                         [REFERENCE]),
+    "prior starts uniform": ("nash_mhc/layers/aggregation.py", [(".at[0].set(beta)", ".at[0].set(0.0)")],
+                             ["tests/test_nash.py", "tests/test_model.py", "tests/test_golden.py"]),
     "H_post = sigma": ("nash_mhc/layers/hyperconnection.py",
                        [("h_post = 2.0 * jax.nn.sigmoid", "h_post = 1.0 * jax.nn.sigmoid")],
                        [REFERENCE, "tests/test_golden.py"]),
