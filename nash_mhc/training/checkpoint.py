@@ -22,22 +22,11 @@ from jaxtyping import PyTree
 
 from nash_mhc import paths
 from nash_mhc.config import ModelConfig
+from nash_mhc.model_format import FORMAT_CHANGES, MODEL_FORMAT
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read, or does not fit the run that tries to resume it."""
-
-
-# Version of the model's function and parameter tree, written into every checkpoint's metadata. Format 2
-# (nash_mhc 0.2): the Nash aggregation is a converged equilibrium with a learned temperature, coarse-scale
-# inputs are renormalised after pooling, and ``residual="hc"`` is the published Hyper-Connections.
-MODEL_FORMAT = 2
-FORMAT_CHANGES = {
-    1: "since format 1 (nash_mhc 0.1) the Nash aggregation gained a learned temperature and solves for its "
-       "equilibrium, coarse-scale inputs are renormalised after pooling, and residual 'hc' became the published "
-       "Hyper-Connections, so its weights would compute a different model; retrain, or load it with "
-       "nash_mhc 0.1",
-}
 
 
 def check_format(meta: dict[str, Any], where: str) -> None:
