@@ -46,7 +46,8 @@ class LoadedModel:
         """How the run read its data (dataset, tokenizer, Hugging Face configuration and split, text field)."""
         data = self.meta.get("data", {})
         names = {"dataset": "dataset", "tokenizer": "tokenizer", "dataset_name": "dataset_name",
-                 "split": "dataset_split", "text_field": "text_field", "max_stream_tokens": "max_stream_tokens"}
+                 "split": "dataset_split", "text_field": "text_field", "max_stream_tokens": "max_stream_tokens",
+                 "prompt_field": "prompt_field", "response_field": "response_field"}
         return DataConfig(**{field: data[key] for key, field in names.items() if key in data}, **changes)
 
     @property

@@ -91,7 +91,7 @@ class Session:
                 "run": self.identity,
                 "data": {"dataset": absolute_spec(data.dataset), "tokenizer": absolute_spec(data.tokenizer),
                          "next_step": step,
-                         "dataset_name": data.dataset_name, "split": data.dataset_split, "text_field": data.text_field,
+                         "dataset_name": data.dataset_name, "split": data.dataset_split, **data.fields_record(),
                          "max_stream_tokens": data.max_stream_tokens, "samples_seen": step * train.batch_size}}
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nash_mhc.data import hub, prepared
+from nash_mhc.data.sft import FIELD_FLAGS, Fields
 from nash_mhc.data.sources import arrow, files, stdlib, synthetic
 from nash_mhc.data.sources.base import EVAL_FRACTION, PARTS, Corpus, check_part, held_out, stable_fraction
 
@@ -38,20 +39,29 @@ def _only_named(kind: str, name: str, dataset_name: str | None, dataset_split: s
                          "uses a held-out split automatically)")
 
 
+def _no_pairs(kind: str, name: str, text_field: Fields) -> None:
+    if not isinstance(text_field, str):
+        raise ValueError(f"{FIELD_FLAGS}: {kind} {name!r} has no prompt/response records (use a .jsonl/.json/"
+                         ".parquet file or folder, or a datasets dataset)")
+
+
 def open_source(name: str, part: str, seed: int = 0, *, dataset_name: str | None = None,
-                dataset_split: str = "train", text_field: str = "text",
+                dataset_split: str = "train", text_field: Fields = "text",
                 max_stream_tokens: int | None = None) -> Corpus | prepared.PreparedSplit:
     """Part ``part`` of dataset ``name`` (see the module docstring); a one-line ``ValueError`` for anything
-    unusable (unknown or unreachable dataset, missing path, split or text field, empty corpus)."""
+    unusable (unknown or unreachable dataset, missing path, split or text field, empty corpus). ``text_field``
+    may be a (prompt, response) field pair (:mod:`nash_mhc.data.sft`): the corpus then yields pairs."""
     check_part(part)
     if name in ("stdlib", "default", "synthetic"):
         _only_named("the offline corpus", name, dataset_name, dataset_split)
+        _no_pairs("the offline corpus", name, text_field)
         return synthetic.corpus(part, seed) if name == "synthetic" else stdlib.corpus(part)
     path = Path(name).expanduser()
     if path.exists():
         root = path.resolve()
         if prepared.is_prepared(root):
             _only_named("prepared shards", name, dataset_name, dataset_split)
+            _no_pairs("prepared shards", name, text_field)
             return prepared.PreparedSplit(root, part, name)
         if arrow.is_saved_dataset(root):
             _only_named("the saved dataset", name, dataset_name, dataset_split, splits=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from nash_mhc.data.sft import FIELD_FLAGS, Fields, columns
 from nash_mhc.data.sources.base import Corpus, document_fractions, held_out, tail_cut, text_of
 
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".txt": "txt", ".text": "txt",
@@ -75,7 +76,7 @@ def _json_records(path: Path, rel: str) -> list[Any]:
     raise ValueError(f"{rel}: a JSON {type(obj).__name__}, expected objects with a text field")
 
 
-def _parquet(path: Path, rel: str, field: str) -> Any:
+def _parquet(path: Path, rel: str, field: Fields) -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -103,17 +104,19 @@ def decode_text(rel: str, data: bytes) -> str:
     return text
 
 
-def read_file(rel: str, path: Path, field: str) -> Iterator[str | None]:
-    """One file's documents in order (``None`` for a null text: it keeps its index)."""
+def read_file(rel: str, path: Path, field: Fields) -> Iterator[Any]:
+    """One file's documents (or prompt/response pairs) in order (``None`` for a null text: it keeps its index)."""
     kind = file_kind(path)
+    if kind == "txt" and not isinstance(field, str):
+        raise ValueError(f"{rel}: a text file has no fields; {FIELD_FLAGS} need .jsonl/.json/.parquet records")
     if kind == "txt":
         data = _read(path)
         if data:
             yield decode_text(rel, data)
     elif kind == "parquet":
-        for batch in _parquet(path, rel, field).iter_batches(columns=[field], batch_size=1024):
-            for text in batch.column(0).to_pylist():
-                yield text_of({field: text}, field, rel)
+        for batch in _parquet(path, rel, field).iter_batches(columns=columns(field), batch_size=1024):
+            for row in batch.to_pylist():
+                yield text_of(row, field, rel)
     else:
         records = _json_records(path, rel) if kind == "json" else _lines(path)
         for i, record in enumerate(records):
@@ -124,7 +127,7 @@ def read_file(rel: str, path: Path, field: str) -> Iterator[str | None]:
             yield text_of(record, field, f"{rel} (record {i + 1})")
 
 
-def _count(rel: str, path: Path, field: str) -> int:
+def _count(rel: str, path: Path, field: Fields) -> int:
     """Documents in one file, checking the text field on its first record (or its schema) only."""
     kind = file_kind(path)
     if kind == "parquet":
@@ -137,7 +140,7 @@ def _count(rel: str, path: Path, field: str) -> int:
     return sum(1 for _ in read_file(rel, path, field))
 
 
-def corpus(root: Path, name: str, part: str, text_field: str) -> Corpus:
+def corpus(root: Path, name: str, part: str, text_field: Fields) -> Corpus:
     """The ``part`` of the files at ``root``; checks the text field and that there is a document now."""
     files = local_files(root)
     if not files and root.is_file():
@@ -151,12 +154,12 @@ def corpus(root: Path, name: str, part: str, text_field: str) -> Corpus:
     masks = np.split(held_out(fractions), np.cumsum(counts)[:-1])
     want_eval = part == "eval"
 
-    def documents() -> Iterator[str]:
+    def documents() -> Iterator[Any]:
         for (rel, path), mask in zip(files, masks, strict=True):
             for i, doc in enumerate(read_file(rel, path, text_field)):
                 if i >= len(mask):
                     raise ValueError(f"{rel} changed while it was read; run again")
-                if doc is not None and sum(counts) == 1:  # one document: train is its head, eval its tail
+                if isinstance(doc, str) and sum(counts) == 1:  # one document: train is its head, eval its tail
                     yield doc[tail_cut(doc):] if want_eval else doc[:tail_cut(doc)]
                 elif doc is not None and bool(mask[i]) == want_eval:
                     yield doc
