@@ -154,9 +154,12 @@ def export_model(model: LanguageModel, tokenizer: Any, out: paths.PathLike, *, s
 
 
 def _version() -> str:
-    from nash_mhc import __version__
+    import importlib.metadata
 
-    return __version__
+    try:
+        return importlib.metadata.version("nash-mhc")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
 
 
 @dataclasses.dataclass(frozen=True)

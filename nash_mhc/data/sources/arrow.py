@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from nash_mhc import paths
 from nash_mhc.data import hub
 from nash_mhc.data.sft import Fields, columns
 from nash_mhc.data.sources.base import Corpus, document_fractions, held_out, text_of
@@ -33,7 +34,7 @@ def _datasets(what: str) -> Any:
     return datasets
 
 
-def is_saved_dataset(path: Path) -> bool:
+def is_saved_dataset(path: Path | paths.Path) -> bool:
     """Whether ``path`` is a directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
     return path.is_dir() and ((path / "dataset_dict.json").is_file()
                               or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()))
