@@ -20,8 +20,8 @@ __version__ = "0.2.0"
 
 
 def load_exported(directory: str, *, device: object = None) -> LanguageModel:
-    """The model of an export folder (``python -m nash_mhc.export``): see :func:`nash_mhc.export.load_exported`."""
-    from nash_mhc.export import load_exported as load
+    """The model of an export folder (``python -m nash_mhc.export``): see :func:`nash_mhc.exported.load_exported`."""
+    from nash_mhc.exported import load_exported as load
 
     return load(directory, device=device)
 

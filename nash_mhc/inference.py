@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nash_mhc import export, paths
+from nash_mhc import exported, paths
 from nash_mhc.cli import Checkpoint, CompileCache, SettingsParser
 from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig, Tokenizer, get_tokenizer
@@ -65,9 +65,9 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
     baseline an evaluation compares against. ``tokenizer`` replaces the one the run recorded (same vocabulary
     size required; for a run whose tokenizer was given by a path that no longer resolves). Raises
     :class:`CheckpointError` (a ``ValueError``) with a one-line message when the directory holds no usable
-    checkpoint. An export folder (:mod:`nash_mhc.export`) loads too: its one model, no ``step``/``untrained``.
+    checkpoint. An export folder (:mod:`nash_mhc.exported`) loads too: its one model, no ``step``/``untrained``.
     """
-    if export.is_exported(checkpoint_dir):
+    if exported.is_exported(checkpoint_dir):
         return _load_export(checkpoint_dir, step=step, untrained=untrained, tokenizer=tokenizer, mesh=mesh)
     directory, dir_step = find_checkpoint(checkpoint_dir)
     if step is None:
@@ -125,11 +125,11 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
 def _load_export(directory: str, *, step: int | None, untrained: bool, tokenizer: str | None,
                  mesh: Mesh | None) -> LoadedModel:
     """An export folder as a :class:`LoadedModel` (on one device, or placed on ``mesh`` by the training rules)."""
-    config = export.read_config(directory)
+    config = exported.read_config(directory)
     if untrained or (step is not None and step != config.get("step")):
         raise CheckpointError(f"{directory} is an exported model (step {config.get('step')}): --step and "
                               "--untrained need the training run's checkpoint directory")
-    model = export.load_exported(directory, device=None if mesh is not None else jax.devices()[0])
+    model = exported.load_exported(directory, device=None if mesh is not None else jax.devices()[0])
     spec = tokenizer or (config["tokenizer"] if config["tokenizer"] == "bytes"
                          else str(paths.as_path(directory) / config["tokenizer"]))
     loaded_tokenizer = get_tokenizer(spec)

@@ -1,5 +1,5 @@
 """The version of the model's function and parameter tree, written into every checkpoint's metadata and every
-exported model's ``config.json`` (:mod:`nash_mhc.export`). Imports nothing, so reading it needs no training stack.
+exported model's ``config.json`` (:mod:`nash_mhc.exported`). Imports nothing, so reading it needs no training stack.
 """
 
 # Version of the model's function and parameter tree, written into every checkpoint's metadata. Format 2
