@@ -99,7 +99,7 @@ def write_part(directory: Path, part: str, chunks: Iterable[tuple[np.ndarray, in
     entry = {"file": final.name, "num_tokens": 0, "num_documents": 0, "max_token_id": -1}
     try:
         with open(temporary, "wb") as out:
-            for ids, documents in chunks:
+            for ids, documents, *_ in chunks:  # (ids, documents) or an EncodedChunk
                 ids = np.ascontiguousarray(ids, dtype=dtype)
                 out.write(ids.tobytes())
                 entry["num_tokens"] += int(ids.size)
