@@ -6,8 +6,10 @@ One call gives the training program its data::
     batch = train.batch_at(step, global_batch=32, process_index=p, process_count=P)  # int32 [32 // P, 257]
 
 Modules, lowest first: :mod:`.tokenizers` (and :mod:`.hub`), :mod:`.windows` (token windows and the batch
-map), :mod:`.prepared` (memory-mapped shards), :mod:`.sources` (one module per kind of dataset and the
-registry), :mod:`.encode` (documents → token stream), :mod:`.prefetch`, :mod:`.prepare` (the shards CLI).
+map), :mod:`.remote` (datasets in a bucket: listing, byte-range reads), :mod:`.prepared` (memory-mapped or
+byte-range shards), :mod:`.sft` (prompt/response records and their loss mask), :mod:`.sources` (one module per
+kind of dataset and the registry), :mod:`.encode` (documents → token stream and mask), :mod:`.prefetch`,
+:mod:`.prepare` (the shards CLI).
 """
 
 from __future__ import annotations
