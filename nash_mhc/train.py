@@ -12,10 +12,15 @@ the train step that training runs on the ``--mesh-*`` mesh over the local device
 abstract devices (needs libtpu, the ``tpu`` extra; no TPU), and prints the memory per chip
 (:mod:`nash_mhc.training.fit`).
 
+``--wandb-project NAME`` also logs the run to Weights & Biases (:mod:`nash_mhc.training.wandb_log`), and
+``--profile-steps A:B`` writes a profiler trace of those steps (:mod:`nash_mhc.training.profiling`).
+``--prompt-field``/``--response-field`` train on prompt/response records with the loss on the responses only
+(:mod:`nash_mhc.data.sft`); with ``--init-from`` that is fine-tuning.
+
 Every flag is generated from one field declaration (:mod:`nash_mhc.settings`): the model flags from
 ``ModelConfig`` (default: the preset's value), then ``DataConfig``, ``TrainConfig``, ``MeshConfig``
-(``--mesh-*``), ``RunConfig``, ``CompileCache`` and :class:`Program` below. To add a flag, declare a field with
-``setting(default, help)`` in the config it belongs to.
+(``--mesh-*``), ``RunConfig``, ``CompileCache``, ``WandbConfig``, ``ProfileConfig`` and :class:`Program`
+below. To add a flag, declare a field with ``setting(default, help)`` in the config it belongs to.
 """
 
 from __future__ import annotations

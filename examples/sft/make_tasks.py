@@ -1,4 +1,4 @@
-"""Writes ``examples/sft/tasks.jsonl``: 600 small prompt/response records (reverse a word, upper-case it, add two
+"""Writes ``examples/sft/tasks.jsonl``: 2000 small prompt/response records (reverse a word, upper-case it, add two
 numbers) for the fine-tuning example of the README (``--prompt-field prompt --response-field response``).
 
     python examples/sft/make_tasks.py        # deterministic: the committed file is its output
@@ -28,7 +28,7 @@ def record(rng: random.Random) -> dict[str, str]:
 def main() -> None:
     rng = random.Random(0)
     out = Path(__file__).with_name("tasks.jsonl")
-    out.write_text("".join(json.dumps(record(rng)) + "\n" for _ in range(600)))
+    out.write_text("".join(json.dumps(record(rng)) + "\n" for _ in range(2000)))
     print(f"wrote {out}")
 
 
