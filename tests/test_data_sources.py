@@ -507,6 +507,7 @@ def bucket(corpus):
         yield gcs
 
 
+@pytest.mark.slow  # an emulator, an upload and a prepare: I/O integration; the quick loop is near its 5 minutes
 def test_bucket_shards_and_jsonl_give_the_local_batches_and_a_host_reads_only_its_rows(corpus, bucket, capsys):
     tok = str(corpus["tokenizer"])
     for name in ("train.bin", "eval.bin"):  # prepare --out gs:// uploaded what a local prepare writes

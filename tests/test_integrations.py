@@ -57,6 +57,9 @@ def run(tmp_path_factory) -> dict[str, Path]:
                                "--wandb-tags", "test,offline", "--profile-steps", "3:5"])
             assert code == 0
     finally:
+        import wandb
+
+        wandb.teardown()  # W&B keeps its settings (offline) in a process-wide session until then
         if saved is None:
             os.environ.pop("WANDB_MODE", None)
         else:
