@@ -18,6 +18,14 @@ from nash_mhc.training import TrainConfig  # noqa: E402
 
 __version__ = "0.3.0"
 
+
+def load_exported(directory: str, *, device: object = None) -> LanguageModel:
+    """The model of an export folder (``python -m nash_mhc.export``): see :func:`nash_mhc.exported.load_exported`."""
+    from nash_mhc.exported import load_exported as load
+
+    return load(directory, device=device)
+
+
 __all__ = ["Block", "LanguageModel", "MeshError", "ModelConfig", "ModelOutput", "TrainConfig", "make_mesh", "ops",
            "training", "__version__"]
-__all__ += ["decoding", "generate"]
+__all__ += ["decoding", "generate", "load_exported"]

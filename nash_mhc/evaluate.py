@@ -8,6 +8,9 @@ bytes of the predicted text, comparable across tokenizers), aux_loss, tokens, by
 ``--untrained`` evaluates the run's step-0 initialisation instead, the baseline to compare with.
 ``--mesh-data/--mesh-fsdp/--mesh-tp`` restore the model sharded over that mesh as training shards it (for
 models larger than one device; the batch is split over data x fsdp); without them it runs on one device.
+Prompt/response data (``--prompt-field``/``--response-field``, recorded by a fine-tuning run) is evaluated on
+the response tokens only, as it was trained: the loss is the masked loss. An export folder
+(``python -m nash_mhc.export``) works as ``--checkpoint-dir`` too.
 Exit codes: 0 done, 2 bad arguments or inputs (one line on stderr).
 """
 
@@ -37,7 +40,12 @@ class EvaluateConfig:
 
 
 def build_parser() -> SettingsParser:
-    return checkpoint_program_parser("python -m nash_mhc.evaluate", __doc__, EvaluateConfig)
+    from nash_mhc.data import DataConfig
+
+    parser = checkpoint_program_parser("python -m nash_mhc.evaluate", __doc__, EvaluateConfig)
+    parser.add_settings(DataConfig, "data (default: as the run read it)",
+                        only=("text_field", "prompt_field", "response_field"))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,11 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     from nash_mhc.sharding import batch_shards
     from nash_mhc.training.evaluation import evaluate
 
+    parser = build_parser()
     try:
-        config, loaded = load_from_flags(build_parser(), argv, EvaluateConfig)
+        config, loaded = load_from_flags(parser, argv, EvaluateConfig)
         data_config = loaded.data_config()
         if config.dataset not in (None, data_config.dataset):
             data_config = DataConfig(dataset=config.dataset, tokenizer=data_config.tokenizer)
+        data_config = dataclasses.replace(data_config, **parser.values(DataConfig, parser.given(argv)))
         data = open_windows(data_config, config.part, loaded.tokenizer, loaded.config.seq_len, loaded.seed)
         batch_size = min(config.batch_size, data.num_windows)
         if batch_size % batch_shards(loaded.mesh):

@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nash_mhc import exported, paths
 from nash_mhc.cli import Checkpoint, CompileCache, SettingsParser
 from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig, Tokenizer, get_tokenizer
 from nash_mhc.model import LanguageModel
-from nash_mhc.sharding import MeshConfig, make_mesh
+from nash_mhc.sharding import MeshConfig, make_mesh, partition_specs
 from nash_mhc.training.checkpoint import Checkpointer, CheckpointError, find_checkpoint
 from nash_mhc.training.config import TrainConfig
 from nash_mhc.training.fit import abstract_train_state
@@ -45,7 +46,8 @@ class LoadedModel:
         """How the run read its data (dataset, tokenizer, Hugging Face configuration and split, text field)."""
         data = self.meta.get("data", {})
         names = {"dataset": "dataset", "tokenizer": "tokenizer", "dataset_name": "dataset_name",
-                 "split": "dataset_split", "text_field": "text_field", "max_stream_tokens": "max_stream_tokens"}
+                 "split": "dataset_split", "text_field": "text_field", "max_stream_tokens": "max_stream_tokens",
+                 "prompt_field": "prompt_field", "response_field": "response_field"}
         return DataConfig(**{field: data[key] for key, field in names.items() if key in data}, **changes)
 
     @property
@@ -63,8 +65,10 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
     baseline an evaluation compares against. ``tokenizer`` replaces the one the run recorded (same vocabulary
     size required; for a run whose tokenizer was given by a path that no longer resolves). Raises
     :class:`CheckpointError` (a ``ValueError``) with a one-line message when the directory holds no usable
-    checkpoint.
+    checkpoint. An export folder (:mod:`nash_mhc.exported`) loads too: its one model, no ``step``/``untrained``.
     """
+    if exported.is_exported(checkpoint_dir):
+        return _load_export(checkpoint_dir, step=step, untrained=untrained, tokenizer=tokenizer, mesh=mesh)
     directory, dir_step = find_checkpoint(checkpoint_dir)
     if step is None:
         step = dir_step
@@ -116,6 +120,32 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
     finally:
         checkpointer.close()
     return LoadedModel(model=model, config=model.config, tokenizer=tokenizer, step=step, meta=meta, mesh=mesh)
+
+
+def _load_export(directory: str, *, step: int | None, untrained: bool, tokenizer: str | None,
+                 mesh: Mesh | None) -> LoadedModel:
+    """An export folder as a :class:`LoadedModel` (on one device, or placed on ``mesh`` by the training rules)."""
+    config = exported.read_config(directory)
+    if untrained or (step is not None and step != config.get("step")):
+        raise CheckpointError(f"{directory} is an exported model (step {config.get('step')}): --step and "
+                              "--untrained need the training run's checkpoint directory")
+    model = exported.load_exported(directory, device=None if mesh is not None else jax.devices()[0])
+    spec = tokenizer or (config["tokenizer"] if config["tokenizer"] == "bytes"
+                         else str(paths.as_path(directory) / config["tokenizer"]))
+    loaded_tokenizer = get_tokenizer(spec)
+    if loaded_tokenizer.vocab_size != model.config.vocab_size:
+        raise CheckpointError(f"tokenizer {spec} has {loaded_tokenizer.vocab_size} ids, the model at {directory} "
+                              f"was trained with {model.config.vocab_size}")
+    if mesh is None:
+        mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    else:
+        arrays, static = eqx.partition(model, eqx.is_array)
+        arrays = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), arrays,
+                              partition_specs(arrays, mesh))
+        model = eqx.combine(arrays, static)
+    meta = {"data": {**config.get("data", {}), "tokenizer": spec}, "train_config": {"seed": config.get("seed", 0)}}
+    return LoadedModel(model=model, config=model.config, tokenizer=loaded_tokenizer, step=int(config["step"]),
+                       meta=meta, mesh=mesh)
 
 
 def load_from_flags(parser: SettingsParser, argv: list[str] | None, settings: type[T]) -> tuple[T, LoadedModel]:

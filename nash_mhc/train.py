@@ -12,10 +12,15 @@ the train step that training runs on the ``--mesh-*`` mesh over the local device
 abstract devices (needs libtpu, the ``tpu`` extra; no TPU), and prints the memory per chip
 (:mod:`nash_mhc.training.fit`).
 
+``--wandb-project NAME`` also logs the run to Weights & Biases (:mod:`nash_mhc.training.wandb_log`), and
+``--profile-steps A:B`` writes a profiler trace of those steps (:mod:`nash_mhc.training.profiling`).
+``--prompt-field``/``--response-field`` train on prompt/response records with the loss on the responses only
+(:mod:`nash_mhc.data.sft`); with ``--init-from`` that is fine-tuning.
+
 Every flag is generated from one field declaration (:mod:`nash_mhc.settings`): the model flags from
 ``ModelConfig`` (default: the preset's value), then ``DataConfig``, ``TrainConfig``, ``MeshConfig``
-(``--mesh-*``), ``RunConfig``, ``CompileCache`` and :class:`Program` below. To add a flag, declare a field with
-``setting(default, help)`` in the config it belongs to.
+(``--mesh-*``), ``RunConfig``, ``CompileCache``, ``WandbConfig``, ``ProfileConfig`` and :class:`Program`
+below. To add a flag, declare a field with ``setting(default, help)`` in the config it belongs to.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from nash_mhc.data import DataConfig
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 from nash_mhc.sharding import MeshConfig
 from nash_mhc.training.config import RunConfig, TrainConfig
+from nash_mhc.training.profiling import ProfileConfig
+from nash_mhc.training.wandb_log import WandbConfig
 
 if TYPE_CHECKING:
     from nash_mhc.training.loop import Configs
@@ -81,6 +88,8 @@ def build_parser() -> SettingsParser:
     parser.add_settings(MeshConfig, "mesh", prefix="mesh-")
     parser.add_settings(RunConfig, "run")
     parser.add_settings(CompileCache, "run")
+    parser.add_settings(WandbConfig, "Weights & Biases")
+    parser.add_settings(ProfileConfig, "run")
     parser.add_settings(CompileOnly, "compile-only")
     return parser
 
@@ -138,22 +147,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         run_configs, cache = configs(argv, parser)
-        options = parser.build(CompileOnly, parser.given(argv))
+        given = parser.given(argv)
+        options, wandb_config = parser.build(CompileOnly, given), parser.build(WandbConfig, given)
+        profile = parser.build(ProfileConfig, given)
     except ValueError as error:
         return fail(error)
     if options.compile_only:  # (no persistent cache: what is measured is a compile)
         return compile_only(run_configs, options)
 
     from nash_mhc import hardware
-    from nash_mhc.training import loop  # Orbax, TensorBoard: after argument errors are reported
+    from nash_mhc.training import loop, profiling, wandb_log  # Orbax, TensorBoard: after argument errors
+    from nash_mhc.training.step import train_step
 
     try:
         hardware.initialize_distributed()
+        wandb_log.check_available(wandb_config)  # the package, and a key unless offline
         cache.use()  # a local directory or a bucket (gs://...)
         session = loop.prepare(run_configs)
     except (ValueError, OSError) as error:  # bad input, or a filesystem that refuses it
         return fail(error)
-    return loop.train(session)
+    try:
+        resolved = {f"{name}_config": dataclasses.asdict(c) for name, c in session.configs._asdict().items()}
+        sink = wandb_log.start(wandb_config, run_configs.run.checkpoint_dir, resolved)
+    except Exception as error:  # noqa: BLE001 - W&B could not start the run (network, permissions)
+        session.logger.close()
+        session.checkpointer.close()
+        if session.lock is not None:
+            session.lock.release()
+        return fail(f"W&B: {error}")
+    if sink is not None:
+        session.logger.add_sink(sink)
+    with profiling.Profiler(profile, run_configs.run.checkpoint_dir, session.start_step) as profiler:
+        return loop.train(session, profiler.wrap(train_step))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ SLOW_TIMEOUT_S = 1800  # the default (pyproject.toml, [tool.pytest.ini_options] 
 # order, so a long file collected last (test_train_cli.py, about 11 minutes of subprocess trainings) would run
 # alone at the end while the other worker idles. Longest first (by their measured durations) keeps both busy.
 LONGEST_FIRST = ("test_train_cli.py", "test_step.py", "test_checkpoint_integrity.py", "test_generate.py",
-                 "test_study.py", "test_docs.py", "test_data_sources.py", "test_model.py", "test_bf16.py",
+                 "test_study.py", "test_docs.py", "test_data_sources.py", "test_integrations.py", "test_notebook.py",
+                 "test_model.py", "test_bf16.py",
                  "test_examples.py", "test_nash.py", "test_evaluate.py")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -486,3 +487,88 @@ def test_dataset_name_and_split_only_where_they_mean_something(corpus, train_mai
                            (["--dataset", str(corpus["shards"]), "--split", "test"], "has no named splits")):
         assert train_main(*argv, "--checkpoint-dir", str(tmp_path / "run")) == 2
         assert expected in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data in a bucket: a real GCS server (gcp-storage-emulator on 127.0.0.1; tests/gcs_emulator.py)
+
+
+@pytest.fixture(scope="module")
+def bucket(corpus):
+    """The emulator holding ``gs://bucket/corpus.jsonl`` (uploaded) and ``gs://bucket/shards`` (written by
+    ``prepare --out gs://...`` from the same jsonl)."""
+    from gcs_emulator import emulator
+
+    with emulator() as gcs:
+        gcs.fs.put_file(str(corpus["jsonl"]), "bucket/corpus.jsonl")
+        code = prepare.main(["--dataset", str(corpus["jsonl"]), "--tokenizer", str(corpus["tokenizer"]),
+                             "--out", "gs://bucket/shards", "--num-workers", "2", "--no-progress"])
+        assert code == 0
+        yield gcs
+
+
+@pytest.mark.slow  # an emulator, an upload and a prepare: I/O integration; the quick loop is near its 5 minutes
+def test_bucket_shards_and_jsonl_give_the_local_batches_and_a_host_reads_only_its_rows(corpus, bucket, capsys):
+    tok = str(corpus["tokenizer"])
+    for name in ("train.bin", "eval.bin"):  # prepare --out gs:// uploaded what a local prepare writes
+        assert bucket.fs.cat_file(f"bucket/shards/{name}") == (corpus["shards"] / name).read_bytes()
+    local, local_eval, _ = make_datasets(str(corpus["shards"]), tok, SEQ, 3)
+    shards, shards_eval, _ = make_datasets("gs://bucket/shards", tok, SEQ, 3)
+    lines, lines_eval, _ = make_datasets("gs://bucket/corpus.jsonl", tok, SEQ, 3, num_workers=2)
+    for data in (shards, lines):
+        assert (data.num_tokens, data.num_windows) == (local.num_tokens, local.num_windows)
+    for step in (0, 7, 500):
+        for data, reference in ((shards, local), (lines, local), (shards_eval, local_eval), (lines_eval, local_eval)):
+            np.testing.assert_array_equal(data.batch_at(step, global_batch=8), reference.batch_at(step, global_batch=8))
+
+    # Byte ranges: a host's batch reads exactly its rows' windows, nothing else of the file.
+    fresh, _, _ = make_datasets("gs://bucket/shards", tok, SEQ, 3)
+    host = fresh.batch_at(13, global_batch=8, process_index=1, process_count=2)
+    np.testing.assert_array_equal(host, local.batch_at(13, global_batch=8)[4:])
+    assert fresh.windows.bytes_read == 4 * (SEQ + 1) * 2  # 4 rows of SEQ + 1 uint16 tokens
+    assert fresh.windows.bytes_read * 100 < bucket.fs.size("bucket/shards/train.bin")
+
+    code = prepare.main(["--dataset", str(corpus["jsonl"]), "--tokenizer", tok, "--out", "gs://bucket/shards",
+                         "--no-progress"])
+    assert code == 2 and "already exists and is not empty" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="does not exist"):
+        make_datasets("gs://bucket/missing.jsonl", tok, SEQ, 0)
+
+
+@pytest.mark.slow
+def test_training_from_the_bucket_matches_local_data_and_resumes_exactly(corpus, bucket, train_main, trained,
+                                                                         tmp_path):
+    """Shards and a .jsonl in the bucket give the local jsonl run's losses, bit for bit; the shards run stopped
+    at step 2 and resumed to 4 matches the 4 uninterrupted steps."""
+    reference = losses(trained["jsonl"])
+    for name in ("shards", "corpus.jsonl"):
+        run = tmp_path / name
+        code = train_main("--dataset", f"gs://bucket/{name}", "--tokenizer", str(corpus["tokenizer"]),
+                          "--total-steps", "2", "--lr-schedule-steps", "4", "--checkpoint-dir", str(run))
+        assert code == 0 and losses(run) == {1: reference[1], 2: reference[2]}, name
+    code = train_main("--dataset", "gs://bucket/shards", "--tokenizer", str(corpus["tokenizer"]), "--total-steps", "4",
+                      "--lr-schedule-steps", "4", "--checkpoint-dir", str(tmp_path / "shards"))
+    assert code == 0 and losses(tmp_path / "shards") == reference
+
+
+@pytest.mark.slow
+def test_two_processes_of_4_devices_train_from_the_bucket_as_one_of_8(corpus, bucket, trained, tmp_path, cache_dir):
+    """Two processes, each reading its half of every batch from the bucket's shards by byte range, log the
+    losses of the one-process, 8-device run on the same data (the local jsonl reference: same batches)."""
+    from test_train_cli import command, environment, free_port
+
+    port, procs = free_port(), []
+    argv = ["--dataset", "gs://bucket/shards", "--tokenizer", str(corpus["tokenizer"]), "--batch-size", "8",
+            "--learning-rate", "3e-3", "--warmup-steps", "1", "--total-steps", "2", "--lr-schedule-steps", "4",
+            "--checkpoint-dir", str(tmp_path / "multi")]
+    for index in range(2):
+        env = environment(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_COUNT="2",
+                          JAX_PROCESS_INDEX=str(index))
+        procs.append(subprocess.Popen(command(*argv, cache=cache_dir), env=env, cwd=Path(__file__).parents[1],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    two, one = losses(tmp_path / "multi"), losses(trained["jsonl"])
+    assert sorted(two) == [1, 2]
+    for step in (1, 2):
+        assert abs(two[step] - one[step]) <= 1e-6 * abs(one[step]), (step, two[step], one[step])

@@ -96,4 +96,4 @@ def test_low_layers_do_not_reach_the_programs_or_the_training_shell():
                    "nash_mhc.data", "nash_mhc.training.step"):
         assert not reachable(graph, module) & shell, module
     assert not reachable(graph, "nash_mhc.data") - {m for m in graph if m.startswith("nash_mhc.data")} - {
-        "nash_mhc.settings"}  # the data package needs nothing of the rest but the settings helper
+        "nash_mhc.settings", "nash_mhc.paths"}  # nothing of the rest but the settings helper and the path layer

@@ -1,37 +1,24 @@
-"""Run outputs on a ``gs://`` bucket, through the same code path as on Google Cloud — with a fake GCS.
+"""Run outputs on a ``gs://`` bucket, through the same code path as on Google Cloud, against a real GCS server.
 
-What is real here: ``nash_mhc.paths`` → ``etils.epath`` (its fsspec backend, the one it uses for ``gs://``
-when TensorFlow is absent) → ``fsspec.filesystem("gcs")``; Orbax's GCS-specific logic (``gs://`` detection,
-``commit_success.txt`` instead of atomic renames, GCS deletes); TensorStore's native GCS driver speaking the
-GCS JSON API over HTTP. What is fake: the three things that would talk to Google —
-
-- fsspec's ``gcs`` implementation (gcsfs in production) is a directory filesystem over a local folder that,
-  like gcsfs, names objects ``bucket/key``;
-- the GCS server is a small JSON-API server on 127.0.0.1 serving the same folder, which TensorStore reaches
-  through ``TENSORSTORE_GCS_HTTP_URL`` with ``GOOGLE_AUTH_TOKEN_FOR_TESTING``;
-- ``google.cloud.storage`` (which Orbax asks whether the bucket has a hierarchical namespace) is a stub.
+The server is ``gcp-storage-emulator`` (tests/gcs_emulator.py), started once for this module on 127.0.0.1. Real
+on the client side: ``nash_mhc.paths`` → ``etils.epath`` → fsspec's ``gcsfs``; Orbax's GCS logic (``gs://``
+detection, ``commit_success.txt`` instead of atomic renames, GCS deletes, its ``google-cloud-storage`` bucket
+query); TensorStore's native GCS driver writing and reading the arrays (it reaches no other server: without
+the emulator its requests would fail).
 """
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import sys
-import threading
-import types
-import urllib.parse
-from pathlib import Path
 
 import fsspec
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from etils.epath import backend as epath_backend
-from fsspec.implementations.dirfs import DirFileSystem
-from fsspec.implementations.local import LocalFileSystem
-from fsspec.registry import _registry as fsspec_implementations
+from gcs_emulator import emulator
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,156 +27,18 @@ from nash_mhc.training.checkpoint import MODEL_FORMAT, Checkpointer, find_checkp
 from nash_mhc.training.logger import RunLogger
 
 
-# ------------------------------------------------------------------------------------------ the fake GCS
-class _GCSHandler(http.server.BaseHTTPRequestHandler):
-    """The part of the GCS JSON API that TensorStore's ``gcs`` kvstore uses: media GET (with ranges and
-    generation preconditions), media upload, DELETE and prefix listing. Object generation = file mtime_ns."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args) -> None:  # quiet
-        pass
-
-    def _reply(self, code: int, body: bytes | dict = b"", headers: dict | None = None,
-               content_type: str = "application/json") -> None:
-        data = json.dumps(body).encode() if isinstance(body, dict) else body
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _request(self) -> tuple[list[str], dict[str, str]]:
-        url = urllib.parse.urlsplit(self.path)
-        self.server.requests.append((self.command, url.path))
-        return url.path.split("/"), dict(urllib.parse.parse_qsl(url.query))
-
-    def _object(self, bucket: str, name: str) -> Path:
-        return self.server.root / bucket / name
-
-    @staticmethod
-    def _generation(file: Path) -> str:
-        return str(file.stat().st_mtime_ns) if file.is_file() else "0"
-
-    def _meta(self, bucket: str, name: str, file: Path) -> dict:
-        return {"kind": "storage#object", "bucket": bucket, "name": name, "size": str(file.stat().st_size),
-                "generation": self._generation(file), "metageneration": "1"}
-
-    def do_GET(self) -> None:
-        parts, query = self._request()
-        if parts[1:4] != ["storage", "v1", "b"] or len(parts) < 6 or parts[5] != "o":
-            return self._reply(400, {"error": {"code": 400, "message": f"fake GCS: unsupported {self.path}"}})
-        bucket = parts[4]
-        if len(parts) == 6:  # list objects
-            prefix, base = query.get("prefix", ""), self.server.root / bucket
-            items = [self._meta(bucket, f.relative_to(base).as_posix(), f) for f in sorted(base.rglob("*"))
-                     if f.is_file() and f.relative_to(base).as_posix().startswith(prefix)]
-            return self._reply(200, {"kind": "storage#objects", "items": items})
-        name = urllib.parse.unquote("/".join(parts[6:]))
-        file = self._object(bucket, name)
-        if not file.is_file():
-            return self._reply(404, {"error": {"code": 404, "message": "not found"}})
-        generation = self._generation(file)
-        if query.get("ifGenerationMatch", generation) != generation:
-            return self._reply(412, {"error": {"code": 412}})
-        if query.get("ifGenerationNotMatch") == generation:
-            return self._reply(304)
-        if query.get("alt") != "media":
-            return self._reply(200, self._meta(bucket, name, file))
-        data, headers, code = file.read_bytes(), {"x-goog-generation": generation}, 200
-        if self.headers.get("Range"):
-            first, _, last = self.headers["Range"].split("=")[1].partition("-")
-            end = min(int(last), len(data) - 1) if last else len(data) - 1
-            headers["Content-Range"] = f"bytes {int(first)}-{end}/{len(data)}"
-            data, code = data[int(first):end + 1], 206
-        self._reply(code, data, headers, "application/octet-stream")
-
-    def do_POST(self) -> None:
-        parts, query = self._request()
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if parts[1:5] != ["upload", "storage", "v1", "b"] or query.get("uploadType") != "media":
-            return self._reply(400, {"error": {"code": 400, "message": f"fake GCS: unsupported {self.path}"}})
-        bucket, name = parts[5], query["name"]
-        file = self._object(bucket, name)
-        if query.get("ifGenerationMatch", self._generation(file)) != self._generation(file):
-            return self._reply(412, {"error": {"code": 412}})
-        file.parent.mkdir(parents=True, exist_ok=True)
-        partial = file.with_name(file.name + ".partial-upload")
-        partial.write_bytes(body)
-        os.replace(partial, file)
-        self._reply(200, self._meta(bucket, name, file))
-
-    def do_DELETE(self) -> None:
-        parts, query = self._request()
-        file = self._object(parts[4], urllib.parse.unquote("/".join(parts[6:])))
-        if not file.is_file():
-            return self._reply(404, {"error": {"code": 404}})
-        if query.get("ifGenerationMatch", self._generation(file)) != self._generation(file):
-            return self._reply(412, {"error": {"code": 412}})
-        file.unlink()
-        self._reply(204)
-
-
-class _FakeGCSFileSystem(DirFileSystem):
-    """fsspec ``gcs``/``gs`` protocol over a local folder; like gcsfs it returns names as ``bucket/key``.
-
-    epath caches one instance per protocol for the whole process, so the folder is a class attribute."""
-
-    protocol = ("gs", "gcs")
-    root = ""
-    cachable = False
-    path = property(lambda self: type(self).root, lambda self, value: None)
-
-    def __init__(self, *args, finalize_on_close: bool | None = None, **kwargs):
-        super().__init__(path="/", fs=LocalFileSystem())
-
-
-class _Bucket:
-    hierarchical_namespace_enabled = False
-
-
 @pytest.fixture(scope="module")
-def fake_gcs(tmp_path_factory):
-    """Yields the local folder behind ``gs://``; bucket ``bucket`` exists."""
-    root = tmp_path_factory.mktemp("gcs")
-    (root / "bucket").mkdir()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GCSHandler)
-    server.daemon_threads = True
-    server.root, server.requests = root, []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+def gcs():
+    """The emulator, bucket ``bucket``; ``gcs.fs`` lists and reads it directly."""
+    with emulator() as server:
+        yield server
 
-    storage = types.ModuleType("google.cloud.storage")
-    storage.Client = lambda *a, **k: types.SimpleNamespace(get_bucket=lambda name: _Bucket())
-    cloud = sys.modules.get("google.cloud") or types.ModuleType("google.cloud")
-    saved_modules = {k: sys.modules.get(k) for k in ("google.cloud", "google.cloud.storage")}
-    saved_env = {k: os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")}
-    cloud.storage = storage
-    sys.modules.update({"google.cloud": cloud, "google.cloud.storage": storage})
-    os.environ["TENSORSTORE_GCS_HTTP_URL"] = f"http://127.0.0.1:{server.server_address[1]}"
-    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "fake-token"
-    _FakeGCSFileSystem.root = str(root)
-    for protocol in ("gcs", "gs"):
-        fsspec.register_implementation(protocol, _FakeGCSFileSystem, clobber=True)
-    epath_backend._FileSystemSpecBackend._get_filesystem.cache_clear()
-    yield types.SimpleNamespace(root=root, server=server)
 
-    server.shutdown()
-    epath_backend._FileSystemSpecBackend._get_filesystem.cache_clear()
-    for protocol in ("gcs", "gs"):
-        fsspec_implementations.pop(protocol, None)  # back to "gcsfs not installed"
-    for key, module in saved_modules.items():
-        if module is None:
-            sys.modules.pop(key, None)
-        else:
-            sys.modules[key] = module
-    for key, value in saved_env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+def objects(gcs, prefix: str) -> list[str]:
+    """Object names under ``bucket/<prefix>`` (fresh listing), relative to it."""
+    gcs.fs.invalidate_cache()
+    base = f"bucket/{prefix}"
+    return sorted(name[len(base) + 1:] for name in gcs.fs.find(base))
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -218,7 +67,7 @@ def test_unknown_scheme_and_missing_bucket_packages_are_one_line_errors(monkeypa
     assert "\n" not in str(error.value)
 
 
-def test_orbax_checkpoints_round_trip_through_gs(fake_gcs):
+def test_orbax_checkpoints_round_trip_through_gs(gcs):
     mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     sharded = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("data")))
     state = {"w": sharded, "b": jnp.ones(3), "step": jnp.int32(7)}
@@ -235,11 +84,9 @@ def test_orbax_checkpoints_round_trip_through_gs(fake_gcs):
     np.testing.assert_array_equal(restored["w"], np.arange(32.0).reshape(8, 4) * 3)
     assert restored["w"].sharding == sharded.sharding and int(restored["step"]) == 21
 
-    run = fake_gcs.root / "bucket" / "run"
-    assert sorted(p.name for p in run.iterdir()) == ["2", "3"]
-    assert (run / "3" / "commit_success.txt").is_file()  # Orbax's GCS commit marker, not a local rename
-    uploads = [path for method, path in fake_gcs.server.requests if method == "POST"]
-    assert any(path.startswith("/upload/storage/v1/b/bucket/o") for path in uploads)  # TensorStore's driver
+    names = objects(gcs, "run")
+    assert sorted({name.split("/")[0] for name in names}) == ["2", "3"]
+    assert "3/commit_success.txt" in names  # Orbax's GCS commit marker, not a local rename
 
     directory, step = find_checkpoint("gs://bucket/run/3")
     assert (os.fspath(directory), step) == ("gs://bucket/run", 3)
@@ -248,31 +95,35 @@ def test_orbax_checkpoints_round_trip_through_gs(fake_gcs):
     reader.close()
 
 
-def test_run_logger_uploads_metrics_and_events_and_appends_on_resume(fake_gcs, tmp_path):
-    run = fake_gcs.root / "bucket" / "logs"
+def test_run_logger_uploads_metrics_and_events_and_appends_on_resume(gcs, tmp_path):
+    def metrics() -> list[dict]:
+        gcs.fs.invalidate_cache()
+        return [json.loads(line) for line in gcs.fs.cat_file("bucket/logs/metrics.jsonl").decode().splitlines()]
+
     logger = RunLogger("gs://bucket/logs", enabled=True, total_steps=4, start_step=0, progress=False)
     logger.write({"step": 1, "loss": 2.5})
-    assert json.loads((run / "metrics.jsonl").read_text())["loss"] == 2.5  # first write uploads at once
+    assert metrics()[0]["loss"] == 2.5  # first write uploads at once
     logger.write({"step": 2, "loss": 2.0})  # inside the upload interval: stays local for now
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+    assert len(metrics()) == 1
     staging = logger._mirror.local
     logger.close()
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    assert any(p.name.startswith("events.out.tfevents") and p.stat().st_size > 0 for p in run.iterdir())
+    assert [r["step"] for r in metrics()] == [1, 2]
+    events = [n for n in objects(gcs, "logs") if n.startswith("events.out.tfevents")]
+    assert events and all(gcs.fs.size(f"bucket/logs/{n}") > 0 for n in events)
     assert not staging.exists()
 
     resumed = RunLogger("gs://bucket/logs", enabled=True, total_steps=4, start_step=2, progress=False)
     resumed.write({"step": 3, "loss": 1.5})
     resumed.close()
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [r["step"] for r in metrics()] == [1, 2, 3]
 
     # process != 0: nothing is written anywhere
     RunLogger("gs://bucket/other", enabled=False, total_steps=1, start_step=0).close()
-    assert not (fake_gcs.root / "bucket" / "other").exists()
+    assert objects(gcs, "other") == []
 
 
 @pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
-def test_prepare_puts_config_logs_and_checkpoints_in_the_bucket(fake_gcs):
+def test_prepare_puts_config_logs_and_checkpoints_in_the_bucket(gcs):
     """The training program's set-up with --checkpoint-dir gs://...: config.json and the run logger go through
     the path layer, the checkpointer is opened there (resuming from it is the round trip above)."""
     from nash_mhc.config import ModelConfig
@@ -290,7 +141,7 @@ def test_prepare_puts_config_logs_and_checkpoints_in_the_bucket(fake_gcs):
     session.logger.write({"step": 1, "loss": 3.0})
     session.logger.close()
     session.checkpointer.close()
-    directory = fake_gcs.root / "bucket" / "prepared"
-    config = json.loads((directory / "config.json").read_text())
+    gcs.fs.invalidate_cache()
+    config = json.loads(gcs.fs.cat_file("bucket/prepared/config.json"))
     assert config["run_config"]["checkpoint_dir"] == "gs://bucket/prepared"
-    assert json.loads((directory / "metrics.jsonl").read_text()) == {"step": 1, "loss": 3.0}
+    assert json.loads(gcs.fs.cat_file("bucket/prepared/metrics.jsonl")) == {"step": 1, "loss": 3.0}

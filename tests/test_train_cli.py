@@ -338,14 +338,14 @@ def flags(module: str) -> set[str]:
     return {name for action in parser._actions for name in action.option_strings if name.startswith("--")}
 
 
-@pytest.mark.parametrize("module", ["train", "generate", "evaluate"])
+@pytest.mark.parametrize("module", ["train", "generate", "evaluate", "export"])
 def test_help_lists_every_flag_of_before(module):
     """tests/cli_flags.json holds the flags of main before the settings refactor (issue 17): none may go."""
     recorded = set(json.loads((ROOT / "tests" / "cli_flags.json").read_text())[module])
     assert recorded - flags(module) == set()
 
 
-@pytest.mark.parametrize("module", ["train", "generate", "evaluate", "data.prepare"])
+@pytest.mark.parametrize("module", ["train", "generate", "evaluate", "data.prepare", "export"])
 def test_every_flag_is_one_settings_field_with_its_default_only_there(module):
     """Each flag is generated from one dataclass field and defaults to "not given" (argparse.SUPPRESS), so
     the field's declaration is the only place its default is written; no field has two flags."""

@@ -6,8 +6,10 @@ One call gives the training program its data::
     batch = train.batch_at(step, global_batch=32, process_index=p, process_count=P)  # int32 [32 // P, 257]
 
 Modules, lowest first: :mod:`.tokenizers` (and :mod:`.hub`), :mod:`.windows` (token windows and the batch
-map), :mod:`.prepared` (memory-mapped shards), :mod:`.sources` (one module per kind of dataset and the
-registry), :mod:`.encode` (documents → token stream), :mod:`.prefetch`, :mod:`.prepare` (the shards CLI).
+map), :mod:`.remote` (datasets in a bucket: listing, byte-range reads), :mod:`.prepared` (memory-mapped or
+byte-range shards), :mod:`.sft` (prompt/response records and their loss mask), :mod:`.sources` (one module per
+kind of dataset and the registry), :mod:`.encode` (documents → token stream and mask), :mod:`.prefetch`,
+:mod:`.prepare` (the shards CLI).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from nash_mhc.data.encode import encode_chunks, token_stream
+from nash_mhc.data.encode import encode_chunks, masked_stream, token_stream
 from nash_mhc.data.prefetch import Prefetcher
 from nash_mhc.data.prepared import PreparedSplit
 from nash_mhc.data.sources import Corpus, open_source
@@ -24,8 +26,8 @@ from nash_mhc.data.windows import PackedDataset
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 
 __all__ = ["ByteTokenizer", "Corpus", "DataConfig", "HFTokenizer", "PackedDataset", "Prefetcher", "PreparedSplit",
-           "Tokenizer", "count_bytes", "encode_chunks", "get_tokenizer", "make_datasets", "open_source",
-           "open_windows", "token_stream"]
+           "Tokenizer", "count_bytes", "encode_chunks", "get_tokenizer", "make_datasets", "masked_stream",
+           "open_source", "open_windows", "token_stream"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,9 @@ class DataConfig:
     dataset_split: str = setting("train", "split of a Hugging Face dataset (or saved DatasetDict) to train on",
                                  flag="--split")
     text_field: str = setting("text", "text column of JSON, Parquet and datasets data")
+    prompt_field: str | None = setting(None, "with --response-field: prompt column of JSON, Parquet and datasets "
+                                             "records; the loss counts only the response tokens (fine-tuning)")
+    response_field: str | None = setting(None, "with --prompt-field: response column (the tokens the loss counts)")
     tokenizer: str = setting("bytes", "'bytes' (offline default), a tokenizer.json, a tokenizer directory or a "
                                       "Hugging Face tokenizer id")
     num_workers: int = setting(os.cpu_count() or 1, "tokenisation threads (the stream does not depend on them)",
@@ -53,6 +58,18 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if (self.prompt_field is None) != (self.response_field is None):
+            raise ValueError("give both --prompt-field and --response-field (or neither)")
+
+    @property
+    def fields(self) -> str | tuple[str, str]:
+        """What a record is read as: its text field, or the (prompt, response) pair of prompt/response data."""
+        return self.text_field if self.prompt_field is None else (self.prompt_field, self.response_field)
+
+    def fields_record(self) -> dict[str, str | None]:
+        """The field settings a checkpoint records (so ``evaluate`` reads the data as training did)."""
+        return {"text_field": self.text_field, "prompt_field": self.prompt_field,
+                "response_field": self.response_field}
 
     def load_tokenizer(self) -> Tokenizer:
         return get_tokenizer(self.tokenizer)
@@ -62,19 +79,20 @@ def open_windows(config: DataConfig, part: str, tokenizer: Tokenizer, seq_len: i
     """The windows of part ``part`` ("train" or the held-out "eval") of ``config``'s dataset: memory-mapped
     for prepared shards, tokenised now for every other kind."""
     source = open_source(config.dataset, part, seed, dataset_name=config.dataset_name,
-                         dataset_split=config.dataset_split, text_field=config.text_field,
+                         dataset_split=config.dataset_split, text_field=config.fields,
                          max_stream_tokens=config.max_stream_tokens)
     if isinstance(source, PreparedSplit):
         return source.windows(tokenizer, seq_len, seed=seed)
-    tokens = token_stream(source, tokenizer, num_workers=config.num_workers)
-    return PackedDataset(tokens, seq_len, seed=seed, vocab_size=tokenizer.vocab_size, name=f"{source.name}/{part}")
+    tokens, mask = masked_stream(source, tokenizer, num_workers=config.num_workers)
+    return PackedDataset(tokens, seq_len, seed=seed, vocab_size=tokenizer.vocab_size, name=f"{source.name}/{part}",
+                         loss_mask=mask)
 
 
 def make_datasets(dataset: str, tokenizer: str | Tokenizer, seq_len: int, seed: int, **options: object
                   ) -> tuple[PackedDataset, PackedDataset, Tokenizer]:
     """``(train, eval, tokenizer)``; ``options`` are the other :class:`DataConfig` fields (``dataset_name``,
-    ``dataset_split``, ``text_field``, ``num_workers``, ``max_stream_tokens``). Raises a one-line ``ValueError``
-    for anything unusable."""
+    ``dataset_split``, ``text_field``, ``prompt_field``, ``response_field``, ``num_workers``,
+    ``max_stream_tokens``). Raises a one-line ``ValueError`` for anything unusable."""
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     config = DataConfig(dataset=dataset, tokenizer=tok.name, **options)  # type: ignore[arg-type]
     return (open_windows(config, "train", tok, seq_len, seed), open_windows(config, "eval", tok, seq_len, seed), tok)

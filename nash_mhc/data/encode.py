@@ -3,7 +3,8 @@
 Work runs on ``num_workers`` threads over chunks of about ``CHUNK_CHARS`` characters of documents (the Rust
 tokenizers release the GIL) and is reassembled in order, so the stream does not depend on ``num_workers``.
 Documents over ``PIECE_CHARS`` characters are tokenised in pieces cut after a line break. Every id is checked
-against the vocabulary (a one-line ``ValueError`` naming the id and the vocabulary size).
+against the vocabulary (a one-line ``ValueError`` naming the id and the vocabulary size). A corpus of
+``(prompt, response)`` pairs (:mod:`nash_mhc.data.sft`) also gives the loss-mask stream (:func:`masked_stream`).
 """
 
 from __future__ import annotations
@@ -16,21 +17,24 @@ from typing import Any, NamedTuple
 import numpy as np
 from jaxtyping import Integer
 
+from nash_mhc.data.sft import encode_example
 from nash_mhc.data.sources.base import Corpus
 from nash_mhc.data.tokenizers import Tokenizer
 from nash_mhc.data.windows import check_ids, stream_dtype
 
-__all__ = ["EncodedChunk", "encode_chunks", "token_stream"]
+__all__ = ["EncodedChunk", "encode_chunks", "masked_stream", "token_stream"]
 
 CHUNK_CHARS = 1 << 18  # one unit of tokenisation work: documents adding up to about this many characters
 PIECE_CHARS = 1 << 20  # longer documents are tokenised in pieces of at most this many characters
 
 
 class EncodedChunk(NamedTuple):
-    """Ids of consecutive documents, each followed by EOS, and how many documents they hold."""
+    """Ids of consecutive documents, each followed by EOS, and how many documents they hold; for prompt/response
+    pairs also the loss mask of the ids (0 prompt, 1 response and EOS), else None."""
 
     ids: np.ndarray
     documents: int
+    mask: np.ndarray | None = None
 
 
 def pieces(doc: str | bytes) -> list[str | bytes]:
@@ -47,14 +51,15 @@ def pieces(doc: str | bytes) -> list[str | bytes]:
     return [*out, doc[start:]]
 
 
-def _work_units(docs: Iterable[str | bytes]) -> Iterator[list[tuple[str | bytes, bool]]]:
-    """Groups of ``(piece, ends_document)`` of about ``CHUNK_CHARS`` characters, in order."""
+def _work_units(docs: Iterable[Any]) -> Iterator[list[tuple[Any, bool]]]:
+    """Groups of ``(piece, ends_document)`` of about ``CHUNK_CHARS`` characters, in order (a prompt/response
+    pair is one piece)."""
     unit, size = [], 0
     for doc in docs:
-        parts = pieces(doc)
+        parts = [doc] if isinstance(doc, tuple) else pieces(doc)
         for j, piece in enumerate(parts):
             unit.append((piece, j == len(parts) - 1))
-            size += len(piece)
+            size += sum(map(len, piece)) if isinstance(piece, tuple) else len(piece)
             if size >= CHUNK_CHARS:
                 yield unit
                 unit, size = [], 0
@@ -82,7 +87,13 @@ def encode_chunks(corpus: Corpus, tokenizer: Tokenizer, *, num_workers: int = 1,
     dtype, eos = stream_dtype(tokenizer.vocab_size), np.array([tokenizer.eos_id], dtype=np.int64)
     where = f"{corpus.name}/{corpus.part} with tokenizer {tokenizer.name!r}"
 
-    def encode(unit: list[tuple[str | bytes, bool]]) -> EncodedChunk:
+    def encode(unit: list[tuple[Any, bool]]) -> EncodedChunk:
+        if isinstance(unit[0][0], tuple):  # prompt/response pairs: encoded apart, masked
+            ids = iter(tokenizer.encode_batch([text for pair, _ in unit for text in pair]))
+            examples = [encode_example(next(ids), next(ids), tokenizer.eos_id) for _ in unit]
+            out, mask = (np.concatenate(parts) for parts in zip(*examples, strict=True))
+            check_ids(out, tokenizer.vocab_size, where)
+            return EncodedChunk(out.astype(dtype), len(unit), mask)
         ids = tokenizer.encode_batch([piece for piece, _ in unit])
         out = np.concatenate([part for (_, last), piece_ids in zip(unit, ids, strict=True)
                               for part in ([piece_ids, eos] if last else [piece_ids])])
@@ -94,7 +105,8 @@ def encode_chunks(corpus: Corpus, tokenizer: Tokenizer, *, num_workers: int = 1,
     try:
         for chunk in chunks:
             if max_tokens is not None and total + chunk.ids.size >= max_tokens:
-                yield EncodedChunk(chunk.ids[: max_tokens - total], chunk.documents)
+                cut = max_tokens - total
+                yield EncodedChunk(chunk.ids[:cut], chunk.documents, None if chunk.mask is None else chunk.mask[:cut])
                 return
             total += chunk.ids.size
             yield chunk
@@ -104,7 +116,16 @@ def encode_chunks(corpus: Corpus, tokenizer: Tokenizer, *, num_workers: int = 1,
 
 def token_stream(corpus: Corpus, tokenizer: Tokenizer, *, num_workers: int = 1) -> Integer[np.ndarray, " n"]:
     """The whole tokenised corpus as one array; a one-line ``ValueError`` when it has no documents."""
+    return masked_stream(corpus, tokenizer, num_workers=num_workers)[0]
+
+
+def masked_stream(corpus: Corpus, tokenizer: Tokenizer, *, num_workers: int = 1
+                  ) -> tuple[Integer[np.ndarray, " n"], Integer[np.ndarray, " n"] | None]:
+    """``(ids, loss mask)`` of the whole corpus; the mask is None unless it holds prompt/response pairs."""
     chunks = list(encode_chunks(corpus, tokenizer, num_workers=num_workers))
     if not sum(chunk.documents for chunk in chunks):
         raise ValueError(f"dataset {corpus.name!r} is empty: its {corpus.part} split has no documents")
-    return np.concatenate([chunk.ids for chunk in chunks])
+    ids = np.concatenate([chunk.ids for chunk in chunks])
+    if all(chunk.mask is None for chunk in chunks):
+        return ids, None
+    return ids, np.concatenate([chunk.mask for chunk in chunks])

@@ -5,8 +5,9 @@
 reads every document of ``--dataset`` (any dataset training accepts), tokenises it on ``--num-workers`` threads
 and writes ``train.bin``, the held-out ``eval.bin`` and ``index.json`` (format: :mod:`nash_mhc.data.prepared`).
 Train on them with ``python -m nash_mhc.train --dataset data/corpus --tokenizer tokenizer.json``. An existing
-non-empty ``--out`` is refused (nothing is overwritten or deleted). Exit codes: 0 done, 2 bad arguments or
-inputs (one line on stderr).
+non-empty ``--out`` is refused (nothing is overwritten or deleted). ``--out gs://bucket/shards`` writes the shards
+in a local temporary directory and uploads them, ``index.json`` last (training reads them by byte range).
+Exit codes: 0 done, 2 bad arguments or inputs (one line on stderr).
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from nash_mhc import paths
 from nash_mhc.cli import SettingsParser, fail
-from nash_mhc.data import DataConfig, prepared
+from nash_mhc.data import DataConfig, prepared, remote
 from nash_mhc.data.encode import encode_chunks
 from nash_mhc.data.sources import open_source
 from nash_mhc.data.windows import stream_dtype
@@ -32,7 +35,8 @@ from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 class PrepareConfig:
     """Where the shards go and how much of the corpus they hold."""
 
-    out: str = setting(help="new (or empty) output directory")
+    out: str = setting(help="new (or empty) output directory, local or in a bucket (gs://...: written to a local "
+                            "temporary directory first, then uploaded)")
     max_tokens: int | None = setting(None, "stop the train part after this many tokens (default: all of it)",
                                      check=POSITIVE_INT)
     seed: int = setting(0, "seed of --dataset synthetic")
@@ -45,6 +49,16 @@ class PrepareConfig:
 def prepare_shards(data: DataConfig, config: PrepareConfig) -> dict[str, Any]:
     """Tokenise ``data``'s train and eval parts into ``config.out``; returns the index. Raises a one-line
     ``ValueError`` for unusable input; on failure only what this call created is removed."""
+    if remote.is_remote(config.out):  # written locally, then uploaded (index.json last)
+        target = paths.as_path(config.out)
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise ValueError(f"--out {config.out!r} already exists and is not empty; choose a new folder (nothing "
+                             "was changed)")
+        with tempfile.TemporaryDirectory(prefix="nash_mhc-prepare-") as staging:
+            index = prepare_shards(data, dataclasses.replace(config, out=staging))
+            remote.upload(staging, target, [*(entry["file"] for entry in index["splits"].values()),
+                                            prepared.INDEX_FILE])
+        return index
     directory = Path(config.out).expanduser()
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise ValueError(f"--out {config.out!r} already exists and is not an empty directory; choose a new "

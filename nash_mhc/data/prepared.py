@@ -5,7 +5,8 @@ vocabularies over 2**16) and ``index.json``: ``{"format": "nash_mhc-shards", "ve
 "tokenizer": {name, fingerprint, vocab_size, bos_id, eos_id, pad_id}, "source": {how it was read}, "splits":
 {"train": {file, num_tokens, num_documents, max_token_id}, "eval": {...}}}``. Each file is exactly the stream
 the on-the-fly pipeline builds, so it gives the same windows and batches, and a host reads only its rows.
-Opening checks the tokenizer (fingerprint, vocabulary size, EOS) and the file sizes against the index.
+Opening checks the tokenizer (fingerprint, vocabulary size, EOS) and the file sizes against the index. In a
+bucket (``gs://...``) the files are read by byte range, a batch's windows at a time (:mod:`nash_mhc.data.remote`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from typing import Any
 
 import numpy as np
 
+from nash_mhc import paths
+from nash_mhc.data import remote
 from nash_mhc.data.tokenizers import Tokenizer
 from nash_mhc.data.windows import PackedDataset
 
 FORMAT, VERSION, INDEX_FILE = "nash_mhc-shards", 2, "index.json"
 
 
-def is_prepared(path: Path) -> bool:
+def is_prepared(path: Path | paths.Path) -> bool:
     """Whether ``path`` is a directory with a prepared-shards ``index.json``."""
     try:
         return json.loads((path / INDEX_FILE).read_text(encoding="utf-8")).get("format") == FORMAT
@@ -41,8 +44,9 @@ def tokenizer_record(tokenizer: Tokenizer) -> dict[str, Any]:
 class PreparedSplit:
     """One part (``"train"``/``"eval"``) of a prepared directory."""
 
-    def __init__(self, path: Path, part: str, name: str) -> None:
-        self.path, self.part, self.name = Path(path), part, name
+    def __init__(self, path: Path | paths.Path, part: str, name: str) -> None:
+        self.path = paths.as_path(path) if remote.is_remote(path) else Path(path)
+        self.part, self.name = part, name
 
     def index(self) -> dict[str, Any]:
         """The parsed ``index.json`` (one-line ``ValueError`` when it is unusable)."""
@@ -75,11 +79,13 @@ class PreparedSplit:
                              f"{tokenizer.vocab_size} (token ids must lie in [0, {tokenizer.vocab_size}))")
         dtype, file = np.dtype(index["dtype"]), self.path / entry["file"]
         expected = int(entry["num_tokens"]) * dtype.itemsize
-        size = file.stat().st_size if file.is_file() else None
+        in_bucket = remote.is_remote(file)
+        size = remote.size(file) if in_bucket else (file.stat().st_size if file.is_file() else None)
         if size != expected:
             state = "is missing" if size is None else f"has {size} bytes, expected {expected}"
             raise ValueError(f"prepared shards {where}: {entry['file']} {state}; prepare the data again")
-        tokens = np.memmap(file, dtype=dtype, mode="r", shape=(int(entry["num_tokens"]),))
+        tokens = (remote.RangeTokens(file, dtype, int(entry["num_tokens"])) if in_bucket  # read by byte range
+                  else np.memmap(file, dtype=dtype, mode="r", shape=(int(entry["num_tokens"]),)))
         return PackedDataset(tokens, seq_len, seed=seed, vocab_size=tokenizer.vocab_size,
                              name=f"{self.name}/{self.part}")
 
@@ -93,7 +99,7 @@ def write_part(directory: Path, part: str, chunks: Iterable[tuple[np.ndarray, in
     entry = {"file": final.name, "num_tokens": 0, "num_documents": 0, "max_token_id": -1}
     try:
         with open(temporary, "wb") as out:
-            for ids, documents in chunks:
+            for ids, documents, *_ in chunks:  # (ids, documents) or an EncodedChunk
                 ids = np.ascontiguousarray(ids, dtype=dtype)
                 out.write(ids.tobytes())
                 entry["num_tokens"] += int(ids.size)

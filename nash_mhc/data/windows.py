@@ -1,7 +1,10 @@
 """Token windows and the deterministic (seed, step) → batch map (numpy only).
 
-A token stream (in memory, or a memory-mapped prepared split) is cut into non-overlapping windows of
-``seq_len + 1`` tokens (inputs ``w[:-1]``, targets ``w[1:]``; the tail that fills no window is dropped).
+A token stream (in memory, a memory-mapped prepared split, or a file in a bucket read by byte range: any
+object with ``shape`` and ``as_windows(count, width)``) is cut into non-overlapping windows of ``seq_len + 1``
+tokens (inputs ``w[:-1]``, targets ``w[1:]``; the tail that fills no window is dropped). An optional loss-mask
+stream of the same length (prompt/response data: 1 where the token is a response token) is cut the same way;
+the mask of a window's predictions is ``mask[w][1:]``, the weight of each target.
 Batches are a pure function of ``(seed, step)``, so resuming at step k needs no loader state:
 
 - global sample ``i`` is window ``perm_e[i % N]``, ``e = i // N`` the epoch, ``N`` the number of windows and
@@ -17,9 +20,10 @@ Not ``grain``: its ``MapDataset(...).shuffle(seed).repeat().batch(B)[step]`` gav
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
-from jaxtyping import Int32, Integer
+from jaxtyping import Float32, Int32, Integer
 
 __all__ = ["PackedDataset", "check_ids", "stream_dtype"]
 
@@ -37,12 +41,21 @@ def check_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
                          f"[0, {vocab_size}))")
 
 
+def _windows(stream: Any, count: int, width: int) -> Any:
+    """``stream`` as ``[count, width]`` rows (lazily for memory maps and byte-range files)."""
+    if hasattr(stream, "as_windows"):
+        return stream.as_windows(count, width)
+    return stream[: count * width].reshape(count, width)
+
+
 class PackedDataset:
     """``tokens`` (any 1-D integer array, a ``np.memmap`` included: only the rows asked for are read) as windows
-    of ``seq_len + 1``, batched by :meth:`batch_at`. Every batch's ids are checked against ``vocab_size``."""
+    of ``seq_len + 1``, batched by :meth:`batch_at`. Every batch's ids are checked against ``vocab_size``.
+    ``loss_mask`` (0/1 per token, as long as ``tokens``) gives each batch a loss mask (:meth:`mask_at`)."""
 
-    def __init__(self, tokens: Integer[np.ndarray, " n"], seq_len: int, *, seed: int = 0,
-                 vocab_size: int | None = None, shuffle: bool = True, name: str = "dataset") -> None:
+    def __init__(self, tokens: Integer[np.ndarray, " n"] | Any, seq_len: int, *, seed: int = 0,
+                 vocab_size: int | None = None, shuffle: bool = True, name: str = "dataset",
+                 loss_mask: Integer[np.ndarray, " n"] | None = None) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
         self.seq_len, self.seed, self.vocab_size, self.shuffle, self.name = seq_len, seed, vocab_size, shuffle, name
@@ -51,7 +64,10 @@ class PackedDataset:
         if self.num_windows < 1:
             raise ValueError(f"{name}: corpus too small / empty: {self.num_tokens} tokens cannot fill one window of "
                              f"seq_len + 1 = {seq_len + 1} tokens; use a smaller --seq-len or a larger dataset")
-        self.windows = tokens[: self.num_windows * (seq_len + 1)].reshape(self.num_windows, seq_len + 1)
+        self.windows = _windows(tokens, self.num_windows, seq_len + 1)
+        if loss_mask is not None and loss_mask.shape != tokens.shape:
+            raise ValueError(f"{name}: loss mask of shape {loss_mask.shape} for {self.num_tokens} tokens")
+        self.mask_windows = None if loss_mask is None else _windows(loss_mask, self.num_windows, seq_len + 1)
         self._permutations: dict[int, np.ndarray] = {}  # the two epochs a batch can straddle
 
     def __repr__(self) -> str:
@@ -93,6 +109,19 @@ class PackedDataset:
         if self.vocab_size is not None:
             check_ids(rows, self.vocab_size, self.name)
         return rows.astype(np.int32)
+
+    def mask_at(self, step: int, *, global_batch: int, process_index: int = 0,
+                process_count: int = 1) -> Float32[np.ndarray, "rows seq"] | None:
+        """The loss mask of :meth:`batch_at`'s rows (weights of the ``seq_len`` targets), or None (all count)."""
+        if self.mask_windows is None:
+            return None
+        rows = self.window_indices(step, global_batch=global_batch, process_index=process_index,
+                                   process_count=process_count)
+        return self.mask_windows[rows][:, 1:].astype(np.float32)
+
+    def arrays_at(self, step: int, **where: int) -> dict[str, np.ndarray | None]:
+        """``{"tokens": batch_at(...), "loss_mask": mask_at(...)}`` (the fields of a training ``Batch``)."""
+        return {"tokens": self.batch_at(step, **where), "loss_mask": self.mask_at(step, **where)}
 
     def batches(self, start_step: int = 0, *, global_batch: int, process_index: int = 0,
                 process_count: int = 1) -> Iterator[tuple[int, Int32[np.ndarray, "rows window"]]]:

@@ -1,7 +1,8 @@
 """Held-out evaluation, one path for the training program (``eval_loss`` every ``--eval-interval`` steps) and
 ``python -m nash_mhc.evaluate``: token-weighted cross-entropy, perplexity and bits per byte.
 
-Bits per byte are tokenizer-independent: total nats / ln 2 / UTF-8 bytes of the predicted text.
+Bits per byte are tokenizer-independent: total nats / ln 2 / UTF-8 bytes of the predicted text. With a loss mask
+(prompt/response data) both count only the masked-in targets: the loss is the response tokens' loss.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import math
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from nash_mhc.data import PackedDataset, Tokenizer, count_bytes
@@ -47,13 +49,14 @@ def evaluate(model: LanguageModel, dataset: PackedDataset, tokenizer: Tokenizer,
     nats = aux = 0.0
     tokens = num_bytes = 0
     for i in range(count):
-        rows = dataset.batch_at(i, global_batch=batch_size, process_index=jax.process_index(),
-                                process_count=jax.process_count())
-        metrics = jax.device_get(eval_step(model, Batch(tokens=rows), mesh=mesh))
+        arrays = dataset.arrays_at(i, global_batch=batch_size, process_index=jax.process_index(),
+                                   process_count=jax.process_count())
+        metrics = jax.device_get(eval_step(model, Batch(**arrays), mesh=mesh))
         nats += float(metrics["ce_loss"]) * float(metrics["tokens"])
         aux += float(metrics["aux_loss"]) / count
         tokens += int(metrics["tokens"])
-        num_bytes += count_bytes(tokenizer, dataset.batch_at(i, global_batch=batch_size)[:, 1:])
+        targets, mask = dataset.batch_at(i, global_batch=batch_size)[:, 1:], dataset.mask_at(i, global_batch=batch_size)
+        num_bytes += count_bytes(tokenizer, targets if mask is None else np.where(mask > 0, targets, tokenizer.pad_id))
     loss = nats / max(tokens, 1)
     return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)),
                       bits_per_byte=nats / math.log(2) / max(num_bytes, 1), aux_loss=aux, tokens=tokens,

@@ -1,4 +1,7 @@
-"""Run logging on process 0: tqdm progress bar, ``metrics.jsonl`` and TensorBoard scalars.
+"""Run logging on process 0: tqdm progress bar, ``metrics.jsonl``, TensorBoard scalars and extra sinks.
+
+An extra sink (:meth:`RunLogger.add_sink`, e.g. :class:`nash_mhc.training.wandb_log.WandbSink`) receives every
+scalar TensorBoard gets, under the same names, with its step, and is closed with the logger.
 
 The directory may be a bucket URI (``gs://bucket/run``): both files are then written into a local
 :class:`nash_mhc.paths.Mirror` (an earlier ``metrics.jsonl`` is downloaded first, so a resumed run appends)
@@ -30,6 +33,7 @@ class RunLogger:
         self._jsonl = None
         self._tb = None
         self._mirror = None
+        self._sinks: list[Any] = []  # objects with log(scalars: dict[str, float], step: int) and close()
         if not enabled:
             return
         from tensorboardX import SummaryWriter
@@ -55,11 +59,25 @@ class RunLogger:
         shown = ("loss", "eval_loss", "grad_norm", "learning_rate", "tokens_per_second", "mfu")
         line = " ".join(f"{k} {clean[k]:.4g}" for k in shown if isinstance(clean.get(k), float))
         self.message(f"step {step}: {line}")
+        scalars = {}
         for key, value in clean.items():
             if key != "step" and isinstance(value, float) and math.isfinite(value):
                 group = "eval" if key.startswith("eval") else "train"
-                self._tb.add_scalar(key if "/" in key else f"{group}/{key}", value, step)
+                scalars[key if "/" in key else f"{group}/{key}"] = value
+        self._scalars(scalars, step)
         self._sync()
+
+    def add_sink(self, sink: Any) -> None:
+        """Send every later scalar to ``sink.log(scalars, step)`` too; ``sink.close()`` runs at :meth:`close`
+        (ignored on a disabled logger: only process 0 logs)."""
+        if self.enabled:
+            self._sinks.append(sink)
+
+    def _scalars(self, scalars: dict[str, float], step: int) -> None:
+        for name, value in scalars.items():
+            self._tb.add_scalar(name, value, step)
+        for sink in self._sinks:
+            sink.log(scalars, step)
 
     def _sync(self) -> None:
         """Upload the files to a bucket directory when due (nothing to do for a local directory)."""
@@ -69,7 +87,7 @@ class RunLogger:
 
     def scalar(self, name: str, value: float, step: int) -> None:
         if self.enabled:
-            self._tb.add_scalar(name, value, step)
+            self._scalars({name: float(value)}, step)
 
     def progress(self, step: int, loss: float, tokens_per_second: float) -> None:
         if self._bar is not None:
@@ -86,6 +104,9 @@ class RunLogger:
             print(text, flush=True)
 
     def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:

@@ -79,10 +79,10 @@ class Session:
     identity: dict[str, Any]  # the data and schedule this run trains on (resume.run_identity)
     last_saved: int | None  # the newest checkpoint step in the directory (None: none yet)
 
-    def host_batch(self, step: int) -> np.ndarray:
-        """This process's rows of the global batch of ``step``."""
-        return self.train_data.batch_at(step, global_batch=self.configs.train.batch_size,
-                                        process_index=jax.process_index(), process_count=jax.process_count())
+    def host_batch(self, step: int) -> Batch:
+        """This process's rows of the global batch of ``step`` (and their loss mask, for prompt/response data)."""
+        return Batch(**self.train_data.arrays_at(step, global_batch=self.configs.train.batch_size,
+                                                 process_index=jax.process_index(), process_count=jax.process_count()))
 
     def meta(self, step: int) -> dict[str, Any]:
         """The JSON record saved with the checkpoint of ``step``."""
@@ -92,7 +92,7 @@ class Session:
                 "run": self.identity,
                 "data": {"dataset": absolute_spec(data.dataset), "tokenizer": absolute_spec(data.tokenizer),
                          "next_step": step,
-                         "dataset_name": data.dataset_name, "split": data.dataset_split, "text_field": data.text_field,
+                         "dataset_name": data.dataset_name, "split": data.dataset_split, **data.fields_record(),
                          "max_stream_tokens": data.max_stream_tokens, "samples_seen": step * train.batch_size}}
 
 
@@ -401,8 +401,8 @@ def _save_if_finite(session: Session, step: int, state: TrainState, metrics: Met
     session.last_saved = step
 
 
-def train(session: Session) -> int:
-    """Run from ``session.start_step`` to ``total_steps``; returns the process exit code."""
+def train(session: Session, step_fn: Any = train_step) -> int:
+    """Run from ``session.start_step`` to ``total_steps`` with ``step_fn`` (or a wrapper); returns the exit code."""
     run, end, logger = session.configs.run, session.configs.train.total_steps, session.logger
     for line in session.summary:
         logger.message(line)
@@ -411,7 +411,7 @@ def train(session: Session) -> int:
         with jax.set_mesh(state.mesh), StopSignal() as stop, \
                 Prefetcher(session.host_batch, step, run.worker_buffer_size) as batches:  # the run's ambient mesh
             while step < end:
-                state, step_metrics = train_step(state, Batch(tokens=batches.next()[1]))
+                state, step_metrics = step_fn(state, batches.next()[1])
                 step += 1
                 metrics.push(step, step_metrics)
                 if metrics.logs(step):  # read now: the window's time then covers exactly its steps

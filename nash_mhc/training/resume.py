@@ -34,7 +34,7 @@ def absolute_spec(spec: str) -> str:
 def run_identity(data: Any, tokenizer: Any, train: Any) -> dict[str, Any]:
     """The data and schedule a run trains on (``data``: DataConfig, ``train``: TrainConfig)."""
     return {"tokenizer": tokenizer.fingerprint, "dataset": absolute_spec(data.dataset),
-            "dataset_name": data.dataset_name, "split": data.dataset_split, "text_field": data.text_field,
+            "dataset_name": data.dataset_name, "split": data.dataset_split, **data.fields_record(),
             **{name: getattr(train, name) for name in SCHEDULE_FIELDS}}
 
 

@@ -14,7 +14,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from nash_mhc import paths
 from nash_mhc.data import hub
+from nash_mhc.data.sft import Fields, columns
 from nash_mhc.data.sources.base import Corpus, document_fractions, held_out, text_of
 
 STREAM_EVAL_DOCUMENTS = 200
@@ -32,7 +34,7 @@ def _datasets(what: str) -> Any:
     return datasets
 
 
-def is_saved_dataset(path: Path) -> bool:
+def is_saved_dataset(path: Path | paths.Path) -> bool:
     """Whether ``path`` is a directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
     return path.is_dir() and ((path / "dataset_dict.json").is_file()
                               or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()))
@@ -45,18 +47,20 @@ def _splits(available: Sequence[str], train_split: str, what: str) -> tuple[str,
     return train_split, next((s for s in EVAL_SPLIT_NAMES if s in available and s != train_split), None)
 
 
-def _texts(rows: Iterable[dict[str, Any]], field: str, what: str) -> Iterator[str | None]:
+def _texts(rows: Iterable[dict[str, Any]], field: Fields, what: str) -> Iterator[Any]:
     return (text_of(row, field, what) for row in rows)
 
 
-def _table_texts(table: Any, field: str, what: str) -> Iterator[str | None]:
-    """The ``field`` of every row of an Arrow ``Dataset``, read in column batches."""
+def _table_texts(table: Any, field: Fields, what: str) -> Iterator[Any]:
+    """The ``field`` (or prompt/response pair) of every row of an Arrow ``Dataset``, read in column batches."""
     text_of(dict.fromkeys(table.column_names), field, what)  # fails now when the column is missing
-    return _texts(({field: text} for batch in table.select_columns([field]).iter(1000) for text in batch[field]),
-                  field, what)
+    names = columns(field)
+    rows = (dict(zip(names, values, strict=True)) for batch in table.select_columns(names).iter(1000)
+            for values in zip(*(batch[n] for n in names), strict=True))
+    return _texts(rows, field, what)
 
 
-def _table_documents(train: Any, own_eval: Any, part: str, field: str, key: str, what: str) -> Iterator[str]:
+def _table_documents(train: Any, own_eval: Any, part: str, field: Fields, key: str, what: str) -> Iterator[Any]:
     """Documents of one part of an Arrow ``Dataset`` (``own_eval``: the dataset's eval split, or None)."""
     if own_eval is not None:
         yield from (t for t in _table_texts(own_eval if part == "eval" else train, field, what) if t is not None)
@@ -67,7 +71,7 @@ def _table_documents(train: Any, own_eval: Any, part: str, field: str, key: str,
             yield text
 
 
-def saved_corpus(path: Path, name: str, part: str, dataset_split: str, text_field: str) -> Corpus:
+def saved_corpus(path: Path, name: str, part: str, dataset_split: str, text_field: Fields) -> Corpus:
     """A ``save_to_disk`` directory; ``dataset_split`` picks a split of a ``DatasetDict``."""
     what = f"dataset {name!r}"
     datasets = _datasets(what)
@@ -88,7 +92,7 @@ def saved_corpus(path: Path, name: str, part: str, dataset_split: str, text_fiel
     return Corpus(name, part, lambda: _table_documents(loaded, own_eval, part, text_field, dataset_split, what))
 
 
-def hub_corpus(repo_id: str, part: str, dataset_name: str | None, dataset_split: str, text_field: str,
+def hub_corpus(repo_id: str, part: str, dataset_name: str | None, dataset_split: str, text_field: Fields,
                max_tokens: int | None) -> Corpus:
     """A hub dataset: streamed when the hub answers, else its copy in the local Hugging Face cache."""
     what = f"dataset {repo_id!r}"
@@ -107,7 +111,7 @@ def hub_corpus(repo_id: str, part: str, dataset_name: str | None, dataset_split:
         raise ValueError(f"{what}: {hub.first_line(error)}") from None
     train_split, own_eval = _splits(names, dataset_split, what)
 
-    def rows(split: str) -> Iterator[str | None]:
+    def rows(split: str) -> Iterator[Any]:
         where = f"{what} split {split!r}"
         if cached is not None:
             yield from _table_texts(cached[split], text_field, where)
@@ -120,7 +124,7 @@ def hub_corpus(repo_id: str, part: str, dataset_name: str | None, dataset_split:
         except Exception as error:  # noqa: BLE001 - network and hub errors become one line
             raise ValueError(f"{where}: {hub.first_line(error)}") from None
 
-    def documents() -> Iterator[str]:
+    def documents() -> Iterator[Any]:
         if part == "eval":
             head = itertools.islice(rows(own_eval or train_split), STREAM_EVAL_DOCUMENTS)
             yield from (t for t in head if t is not None)

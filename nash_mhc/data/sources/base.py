@@ -9,26 +9,31 @@ from typing import Any
 
 import numpy as np
 
+from nash_mhc.data.sft import Fields, pair_of
+
 PARTS = ("train", "eval")
 EVAL_FRACTION = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """One part of a dataset: ``documents()`` yields its texts (``str``, or UTF-8 ``bytes``) in a fixed order;
-    tokenising stops after ``max_tokens`` tokens when set (the bounded prefix of a stream)."""
+    """One part of a dataset: ``documents()`` yields its texts (``str``, or UTF-8 ``bytes``; or ``(prompt,
+    response)`` pairs, :mod:`nash_mhc.data.sft`) in a fixed order; tokenising stops after ``max_tokens`` tokens
+    when set (the bounded prefix of a stream)."""
 
     name: str
     part: str
-    documents: Callable[[], Iterable[str | bytes]]
+    documents: Callable[[], Iterable[str | bytes | tuple[str, str]]]
     max_tokens: int | None = None
 
 
-def text_of(record: Any, field: str, where: str) -> str | None:
+def text_of(record: Any, field: Fields, where: str) -> str | tuple[str, str] | None:
     """``record[field]`` (None for a null text); one-line errors for a record without the field (naming its
-    fields) or with a field that is not text."""
+    fields) or with a field that is not text. A ``(prompt, response)`` field pair gives that pair."""
     if not isinstance(record, dict):
         raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object with a {field!r} field")
+    if not isinstance(field, str):
+        return pair_of(record, field, where)
     if field not in record:
         fields = ", ".join(map(str, record)) or "none"
         raise ValueError(f"text field {field!r} not found in {where}; fields: {fields} (use --text-field)")
