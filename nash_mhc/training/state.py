@@ -78,8 +78,9 @@ class TrainState(eqx.Module):
 
 def coefficient_anchor(model: LanguageModel) -> LanguageModel:
     """A copy of ``model``'s coefficient parameters (declared role ``coefficient``; None elsewhere): where their
-    travel is measured from."""
-    return eqx.filter(model, coefficient_mask(model))
+    travel is measured from. Copies, never the model's own buffers: the train step donates the whole state, and one
+    buffer donated twice (as a parameter and as its anchor) crashes the step."""
+    return jax.tree.map(jnp.copy, eqx.filter(model, coefficient_mask(model)))
 
 
 def with_model(state: TrainState, model: LanguageModel) -> TrainState:
