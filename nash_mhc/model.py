@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
+from einops import rearrange
 from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.config import ModelConfig
@@ -36,14 +37,14 @@ def grouped_scan(layer: Any, x: jax.Array, params: Any, group: int) -> tuple[jax
     through one group, that group's layer inputs (``group`` states). Two nested scans: compile time stays flat
     in depth. ``params``' leaves are stacked [num_layers, ...]; the outputs come back stacked the same way."""
     def regroup(a: jax.Array) -> jax.Array:
-        return a.reshape(a.shape[0] // group, group, *a.shape[1:])
+        return rearrange(a, "(groups group) ... -> groups group ...", group=group)
 
     @jax.checkpoint  # nothing inside a group is saved; its forward pass is rerun in the backward pass
     def run_group(x: jax.Array, group_params: Any) -> tuple[jax.Array, Any]:
         return jax.lax.scan(layer, x, group_params)
 
     x, ys = jax.lax.scan(run_group, x, jax.tree.map(regroup, params))
-    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), ys)
+    return x, jax.tree.map(lambda a: rearrange(a, "groups group ... -> (groups group) ..."), ys)
 
 
 def matmul_weights_in_compute_dtype(blocks: Any, dtype: str) -> Any:
@@ -141,14 +142,15 @@ class Block(eqx.Module):
         found = {}
 
         def attention(u: jax.Array) -> jax.Array:
-            y, *found["stats"] = self.attn(self.attn_norm(u).reshape(batch, seq, dim))
-            return y.reshape(batch * seq, dim)
+            y, *found["stats"] = self.attn(rearrange(self.attn_norm(u), "(b t) d -> b t d", b=batch))
+            return rearrange(y, "b t d -> (b t) d")
 
-        tokens = x.reshape(batch * seq, n, dim)
+        tokens = rearrange(x, "b t n d -> (b t) n d")
         tokens, res_attn = self.attn_hc(tokens, attention)
         tokens, res_ffn = self.ffn_hc(tokens, lambda u: self.ffn(self.ffn_norm(u)))
-        res = jnp.stack([res_attn, res_ffn]).reshape(2, batch, seq, n, n)
-        return constrain_batch(tokens.reshape(batch, seq, n, dim)), BlockStats(*found["stats"], res)
+        res = rearrange(jnp.stack([res_attn, res_ffn]), "s (b t) i j -> s b t i j", b=batch)
+        return (constrain_batch(rearrange(tokens, "(b t) n d -> b t n d", b=batch)),
+                BlockStats(*found["stats"], res))
 
 
 def _check_token_ids(tokens: jax.Array, vocab_size: int) -> None:
@@ -271,7 +273,7 @@ class LanguageModel(eqx.Module):
         h = self.collapse(x)
         maps = None
         if return_residual_maps:  # [layers, 2, B, T, n, n] → [B, 2·layers, T, n, n]
-            maps = jnp.moveaxis(ys[4], 2, 0).reshape(batch, -1, seq, c.num_streams, c.num_streams)
+            maps = rearrange(ys[4], "layers s b t i j -> b (layers s) t i j")
         entropy = jnp.mean(entropy, axis=0)
         choice = choice_mask(seq, c.block_sizes)  # entropy is 0 elsewhere
         aux = jnp.sum(entropy, axis=-1) / max(int(choice.sum()), 1)

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
+from einops import rearrange
 from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
@@ -132,7 +133,7 @@ class HyperConnection(eqx.Module):
         # [T, 2n+n²] projection, not to the [T, n·D] streams, and X is contracted in its own [T, n, D] shape,
         # so the backward pass keeps X itself and no normalised or reshaped copy of it.
         inv_rms = jax.lax.rsqrt(jnp.mean(xf * xf, axis=(1, 2)) + self.norm.eps)
-        weighted_phi = (self.norm.weight[:, None] * self.phi).reshape(n, dim, -1)
+        weighted_phi = rearrange(self.norm.weight[:, None] * self.phi, "(n d) c -> n d c", n=n)
         a = jnp.einsum("tnd,ndc->tc", xf, weighted_phi) * inv_rms[:, None]
         a_pre, a_post, a_res = a[:, :n], a[:, n:2 * n], a[:, 2 * n:]
         h_pre = jax.nn.sigmoid(self.alpha[0] * a_pre + self.b_pre)
@@ -140,7 +141,7 @@ class HyperConnection(eqx.Module):
         if self.mode == "mhc-lite":
             mix = jax.nn.softmax(self.alpha[2] * a_res + self.b_perm, axis=-1)
             return h_pre, h_post, jnp.einsum("tk,kij->tij", mix, jnp.asarray(permutation_matrices(n)))
-        h_res = sinkhorn(self.alpha[2] * a_res.reshape(seq, n, n) + self.b_res, self.sinkhorn_iters)
+        h_res = sinkhorn(self.alpha[2] * rearrange(a_res, "t (i j) -> t i j", i=n) + self.b_res, self.sinkhorn_iters)
         return h_pre, h_post, h_res
 
     @jaxtyped(typechecker=beartype)
