@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -83,7 +85,6 @@ def main() -> None:
     p.add_argument("--train-args", default="", help="further flags for every training run")
     p.add_argument("--compile-cache-dir", default="~/.cache/nash_mhc/xla")
     args = p.parse_args()
-    start = time.perf_counter()
     results = [one_run(args, scale, seed) for scale in args.scales for seed in args.seeds]
     rows = []
     for scale in args.scales:
@@ -99,9 +100,9 @@ def main() -> None:
     best = min(eligible, key=lambda r: r["bits_per_byte"])
     chosen = min((r for r in eligible if r["bits_per_byte"] <= best["bits_per_byte"] + (best["sem"] or 0.0)),
                  key=lambda r: r["scale"])
-    command = "python benchmarks/coefficient_lr_sweep.py " + " ".join(sys.argv[1:])
-    summary = {"command": command, "machine": f"{platform.node()} {platform.machine()}, CPU",
-               "wall_s": time.perf_counter() - start + sum(r["wall_s"] for r in results),
+    command = shlex.join(["python", "benchmarks/coefficient_lr_sweep.py", *sys.argv[1:]])
+    summary = {"command": command, "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores (shared VM)",
+               "wall_s": sum(r["wall_s"] for r in results),  # each run's own training + evaluation time
                "rule": "lowest mean held-out bits per byte; within one standard error of it, the smaller scale",
                "chosen": chosen["scale"], "rows": rows, "runs": results}
     out = Path(args.out)

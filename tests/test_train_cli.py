@@ -75,9 +75,12 @@ def test_readme_main_command_trains_writes_its_outputs_and_reaches_the_readme_pe
     for key in ("step", "loss", "ce_loss", "aux_loss", "learning_rate", "grad_norm", "tokens_per_second", "mfu",
                 "step_time_s", "nash_residual", "nash_temperature"):
         assert key in record
-    assert record["nash_residual"] <= 1e-4
+    assert record["nash_residual"] <= 1e-5
+    travel = {key.split("/", 1)[1]: value for key, value in record.items() if key.startswith("travel/")}
+    assert set(travel) == {"aggregation_prior", "hc_alpha", "hc_bias", "hc_projection", "nash_temperature"}
+    assert all(value > 0 for value in travel.values()), travel  # every coefficient group has left its start
     events = b"".join(p.read_bytes() for p in run.iterdir() if p.name.startswith("events.out.tfevents"))
-    assert b"train/nash_residual" in events and b"train/nash_temperature" in events
+    assert b"train/nash_residual" in events and b"train/nash_temperature" in events and b"travel/hc_alpha" in events
     reports = {}
     for extra in ([], ["--untrained"]):
         assert evaluate_main(["--checkpoint-dir", str(run), "--compile-cache-dir", str(cache_dir), *extra]) == 0
