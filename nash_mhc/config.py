@@ -78,13 +78,13 @@ class ModelConfig(ConfigMethods):
     num_heads: int = 4
     num_streams: int = setting(4, "mHC residual streams n")
     num_scales: int = setting(3, "attention scales L")
-    compression_ratio: int = 4
+    compression_ratio: int = setting(4, "block size ratio r between attention scales (scale l pools r**l tokens)")
     residual: str = setting("mhc", "residual connection mode", choices=RESIDUAL_MODES)
     attention: str = setting("multiscale", "attention mode", choices=ATTENTION_MODES)
     aggregation: str = setting("nash", "multiscale aggregation", choices=AGGREGATION_MODES)
-    sinkhorn_iters: int = 20
-    nash_iters: int = 16
-    nash_temperature: float = 0.1
+    sinkhorn_iters: int = setting(20, "Sinkhorn iterations that make each mHC H_res doubly stochastic")
+    nash_iters: int = setting(16, "best-response steps of the Nash aggregation (equilibrium residual <= sqrt(2)*2^-N)")
+    nash_temperature: float = setting(0.1, "initial learned temperature tau of the Nash aggregation")
     sparsity_weight: float = setting(0.01, "weight of the aggregation-entropy aux loss")
     dtype: str = setting("float32", "compute dtype (parameters stay float32)", choices=DTYPES)
     ffn_hidden: int = 0
