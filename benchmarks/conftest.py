@@ -26,33 +26,33 @@ def train_throughput(benchmark):
     """Time ``train_step`` of ``config`` on one device (compile and one warm-up step outside the timed region)
     and record tokens/s and MFU in ``benchmark.extra_info``; returns (tokens/s, MFU).
 
-    MFU is :class:`nash_mhc.training.throughput.MFUMeter`'s, as in the training logs: on a device without a
-    table peak, a matmul probe runs right before each timed round (pytest-benchmark's ``setup``), and the mean
-    probe time is the denominator's statistic as the mean round time is the numerator's.
+    MFU is :class:`nash_mhc.training.throughput.MFUMeter`'s, as in the training logs: the mean round time over
+    one peak per device and dtype (on a device without a table peak, the best of a steady matmul probe,
+    measured once per session, before the first step, as the training program measures it once per run).
     """
 
     def run(config: ModelConfig, label: str, *, batch_size: int = 8, rounds: int = 5) -> tuple[float, float]:
         train_config = TrainConfig(batch_size=batch_size, warmup_steps=1, total_steps=1000)
         device = jax.devices()[0]
+        meter = MFUMeter.for_device(config.flops_per_token(), 1, device=device, dtype=config.dtype)
         mesh = make_mesh(1, 1, 1, devices=[device])
         holder = {"state": init_train_state(config, train_config, mesh, key=jax.random.key(0))}
         tokens = jax.random.randint(jax.random.key(1), (batch_size, config.seq_len + 1), 0, config.vocab_size)
         batch = Batch(tokens=tokens)
-        meter = MFUMeter(config.flops_per_token(), 1, device=device, dtype=config.dtype)
 
         def step():
             holder["state"], metrics = train_step(holder["state"], batch)
             return jax.block_until_ready(metrics)
 
         step()  # compile
-        step()  # warm-up (not through pedantic's warmup_rounds, which would also run a probe)
-        benchmark.pedantic(step, setup=meter.sample, rounds=rounds, iterations=1)
+        step()  # warm-up
+        benchmark.pedantic(step, rounds=rounds, iterations=1)
         figures = meter.report(batch_size * config.seq_len, benchmark.stats.stats.mean)
         benchmark.extra_info.update(tokens_per_second=round(figures["tokens_per_second"]),
                                     mfu=round(figures["mfu"], 4), d_model=config.d_model,
-                                    peak_gflops=round(figures["peak_flops_per_device"] / 1e9, 1))
+                                    peak_gflops=round(meter.peak / 1e9, 1))
         print(f"\n{label}: train {figures['tokens_per_second']:,.0f} tokens/s, MFU {figures['mfu']:.1%} of "
-              f"{figures['peak_flops_per_device'] / 1e9:,.0f} GFLOP/s ({meter.source})")
+              f"{meter.peak / 1e9:,.0f} GFLOP/s ({meter.source})")
         return figures["tokens_per_second"], figures["mfu"]
 
     return run

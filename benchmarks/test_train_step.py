@@ -1,7 +1,8 @@
 """Train-step throughput and MFU of ``tiny`` and ``small`` in the four residual × attention modes.
 
-MFU = tokens/s × ``ModelConfig.flops_per_token()`` (6·N_matmul + causal attention per scale) ÷ the float32
-matmul peak measured in the same process (``nash_mhc.training.throughput.probe_peak``).
+MFU = tokens/s × ``ModelConfig.flops_per_token()`` (6·N_matmul + causal attention per scale) ÷ the peak of
+``nash_mhc.training.throughput.MFUMeter`` (on a CPU the best of a steady matmul probe, measured once per
+session, as the training program measures it once per run).
 """
 
 from __future__ import annotations

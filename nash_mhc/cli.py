@@ -109,11 +109,15 @@ class SettingsParser(OneLineParser):
         try:
             return cls(**{**self.values(cls, given), **fixed})
         except ValueError as error:
-            text = str(error).removeprefix(f"{cls.__name__}: ")
-            for dest, (owner, field, negated) in self.owner.items():
-                if owner is cls and not negated and text.startswith(f"{field} "):
-                    text = f"--{dest.replace('_', '-')}{text[len(field):]}"
-            raise ValueError(text) from None
+            raise self.named(cls, error) from None
+
+    def named(self, cls: type, error: ValueError) -> ValueError:
+        """``error`` of ``cls``'s checks with the flag's name instead of the field's (``--batch-size must ...``)."""
+        text = str(error).removeprefix(f"{cls.__name__}: ")
+        for dest, (owner, field, negated) in self.owner.items():
+            if owner is cls and not negated and text.startswith(f"{field} "):
+                text = f"--{dest.replace('_', '-')}{text[len(field):]}"
+        return ValueError(text)
 
     def _config_file(self, path: str) -> dict[str, Any]:
         file = Path(path)

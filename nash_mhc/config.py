@@ -66,10 +66,10 @@ class ModelConfig(ConfigMethods):
       * ``attention="full"`` forces ``num_scales = 1`` (scale 0 only);
       * ``ffn_hidden=0`` means "derive from d_model" (:func:`default_ffn_hidden`).
 
-    Nash aggregation (:mod:`nash_mhc.ops.aggregation`): ``nash_iters`` best-response steps per position
-    (the residual is at most sqrt(2)·2^-nash_iters, so 16 give <= 2.2e-5); ``nash_temperature`` is the
-    initial value of each layer's learned temperature tau (the game adds 2|C|_F to it, which keeps the
-    equilibrium unique whatever tau learns).
+    Nash aggregation (:mod:`nash_mhc.ops.aggregation`): at most ``nash_iters`` safeguarded Newton steps per
+    position, to a residual of 1e-6 in float32; ``nash_temperature`` is the initial value of each layer's
+    learned temperature tau (the game adds 1.05·λmax(C) to it, which keeps the equilibrium unique whatever
+    tau learns).
     """
 
     vocab_size: int = 259
@@ -79,13 +79,13 @@ class ModelConfig(ConfigMethods):
     num_heads: int = 4
     num_streams: int = setting(4, "mHC residual streams n")
     num_scales: int = setting(3, "attention scales L")
-    compression_ratio: int = 4
+    compression_ratio: int = setting(4, "block size ratio r between attention scales (scale l pools r**l tokens)")
     residual: str = setting("mhc", "residual connection mode", choices=RESIDUAL_MODES)
     attention: str = setting("multiscale", "attention mode", choices=ATTENTION_MODES)
     aggregation: str = setting("nash", "multiscale aggregation", choices=AGGREGATION_MODES)
-    sinkhorn_iters: int = 20
-    nash_iters: int = 16
-    nash_temperature: float = 0.1
+    sinkhorn_iters: int = setting(20, "Sinkhorn iterations that make each mHC H_res doubly stochastic")
+    nash_iters: int = setting(16, "at most this many Newton steps to the Nash equilibrium (tolerance 1e-6)")
+    nash_temperature: float = setting(0.1, "initial learned temperature tau of the Nash aggregation")
     sparsity_weight: float = setting(0.01, "weight of the aggregation-entropy aux loss")
     dtype: str = setting("float32", "compute dtype (parameters stay float32)", choices=DTYPES)
     ffn_hidden: int = 0

@@ -101,8 +101,11 @@ def configs(argv: list[str] | None = None, parser: SettingsParser | None = None)
     parser = parser or build_parser()
     given = parser.given(argv)
     program = parser.build(Program, given)
-    model = ModelConfig.preset("small" if program.use_small_model else program.model,
-                               **parser.values(ModelConfig, given))
+    try:
+        model = ModelConfig.preset("small" if program.use_small_model else program.model,
+                                   **parser.values(ModelConfig, given))
+    except ValueError as error:
+        raise parser.named(ModelConfig, error) from None
     accumulation = parser.values(TrainConfig, given).get("grad_accum_steps", TrainConfig.grad_accum_steps)
     if program.total_batch_tokens is not None:
         per_microbatch = program.batch_size * model.seq_len

@@ -226,8 +226,9 @@ def test_prepare_onto_a_read_only_filesystem_exits_2(tmp_path, capsys, monkeypat
 
 
 def test_the_training_log_reports_the_benchmarks_mfu_without_compile_or_checkpoint_time(monkeypatch):
-    """Training logs go through MFUMeter.report (the benchmarks' definition): same probe, same step times → the
-    same MFU. Step 1 (compilation) reports no throughput; a checkpoint's pause is not charged to any step."""
+    """Training logs go through MFUMeter.report (the benchmarks' definition) over the one peak measured when the
+    session was prepared: no probe runs while logging, so the same step times give the same MFU on every line.
+    Step 1 (compilation) reports no throughput; a checkpoint's pause is not charged to any step."""
     from types import SimpleNamespace
 
     from nash_mhc import ModelConfig, TrainConfig
@@ -236,9 +237,10 @@ def test_the_training_log_reports_the_benchmarks_mfu_without_compile_or_checkpoi
     from nash_mhc.training.throughput import MFUMeter
 
     class Probe:
-        flops = 4e9
+        flops, runs = 4e9, 0
 
         def __call__(self) -> float:
+            self.runs += 1
             return 0.04  # 100 GFLOP/s
 
     now = [0.0]
@@ -246,7 +248,9 @@ def test_the_training_log_reports_the_benchmarks_mfu_without_compile_or_checkpoi
     model, train = ModelConfig.preset("tiny"), TrainConfig(batch_size=8, total_steps=100)
     written = []
     logger = SimpleNamespace(write=written.append, progress=lambda *a: None, scalar=lambda *a: None)
-    meter = MFUMeter(model.flops_per_token(), 1, probe=Probe())
+    probe = Probe()
+    meter = MFUMeter.for_device(model.flops_per_token(), 1, probe=probe)
+    probe_runs = probe.runs
     session = SimpleNamespace(configs=SimpleNamespace(model=model, train=train, run=RunConfig(log_interval=2)),
                               start_step=0, logger=logger, meter=meter, last_saved=None)
     reader = loop.MetricsReader(session)
@@ -260,7 +264,8 @@ def test_the_training_log_reports_the_benchmarks_mfu_without_compile_or_checkpoi
     reader._read(4, values)
     assert [r["step"] for r in written] == [1, 2, 4]
     assert written[0]["mfu"] != written[0]["mfu"]  # NaN: step 1 is compilation
-    expected = MFUMeter(model.flops_per_token(), 1, probe=Probe()).report(8 * model.seq_len, 0.5)
+    assert probe.runs == probe_runs and meter.peak == pytest.approx(100e9)
+    expected = MFUMeter(model.flops_per_token(), 1, 100e9, "same peak").report(8 * model.seq_len, 0.5)
     for record in written[1:]:
         assert record["mfu"] == pytest.approx(expected["mfu"], rel=1e-12)
         assert record["tokens_per_second"] == pytest.approx(expected["tokens_per_second"], rel=1e-12)

@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -373,6 +374,35 @@ def test_no_flags_gives_the_configs_defaults():
     assert TrainConfig().lr_schedule_steps == TrainConfig().total_steps == 1000
     assert TrainConfig().warmup_steps == 100  # 10 % of the schedule
     assert cache.compile_cache_dir.endswith("xla")
+
+
+def test_the_model_knobs_are_flags_that_default_to_the_preset():
+    """--nash-iters, --nash-temperature, --sinkhorn-iters and --compression-ratio reach ModelConfig; not given, each
+    keeps the preset's value (tiny's compression_ratio is 2, the field's default 4); bad values name the flag."""
+    model = train_module.configs(["--model", "tiny", "--nash-iters", "4", "--nash-temperature", "0.5",
+                                  "--sinkhorn-iters", "7", "--compression-ratio", "4"])[0].model
+    assert model == ModelConfig.preset("tiny", nash_iters=4, nash_temperature=0.5, sinkhorn_iters=7,
+                                       compression_ratio=4)
+    assert train_module.configs(["--model", "tiny"])[0].model == ModelConfig.preset("tiny")
+    for flag, value, message in (("--nash-iters", "0", "--nash-iters must be a positive integer, got 0"),
+                                 ("--nash-temperature", "0", "--nash-temperature must be a finite number > 0"),
+                                 ("--sinkhorn-iters", "0", "--sinkhorn-iters must be a positive integer, got 0"),
+                                 ("--compression-ratio", "1", "--compression-ratio must be >= 2, got 1")):
+        with pytest.raises(ValueError, match=message):
+            train_module.configs(["--model", "tiny", flag, value])
+
+
+def test_every_model_field_is_a_flag_or_named_library_only_in_the_readme():
+    """README's knob table lists only flags; every other ModelConfig field is in its "Library-only" paragraph."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| knob | values | meaning |"):]
+    table = table[:table.index("\n\n")]
+    knobs = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
+    library_only = readme[readme.index("Library-only ("):]
+    library_only = set(re.findall(r"`(\w+)`", library_only[:library_only.index("\n\n")]))
+    model_flags = {field for cls, field, _ in train_module.build_parser().owner.values() if cls is ModelConfig}
+    assert len(knobs) >= 10 and set(knobs) <= model_flags
+    assert {f.name for f in dataclasses.fields(ModelConfig)} - model_flags == library_only
 
 
 def test_config_file_values_sit_under_the_flags(tmp_path):

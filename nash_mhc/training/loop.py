@@ -244,7 +244,7 @@ def prepare(configs: Configs) -> Session:
         raise
     logger = RunLogger(directory, enabled=is_main, total_steps=train_config.total_steps, start_step=start_step,
                        progress=run.progress)
-    meter = MFUMeter(model_config.flops_per_token(), len(jax.devices()), dtype=model_config.dtype)
+    meter = MFUMeter.for_device(model_config.flops_per_token(), len(jax.devices()), dtype=model_config.dtype)
     summary = [
         *hardware.summary_lines(devices),
         *sharding_summary(state.model, mesh),
@@ -253,7 +253,7 @@ def prepare(configs: Configs) -> Session:
         f"{model_config.seq_len}), accumulation steps: {train_config.grad_accum_steps}",
         f"data: {data_config.dataset} / {data_config.tokenizer}: {train_data.num_tokens:,} train tokens, "
         f"{eval_data.num_tokens:,} eval tokens",
-        f"peak FLOP/s per device: {meter.peak().per_device / 1e9:,.1f} GFLOP/s ({meter.source})",
+        f"peak FLOP/s per device: {meter.peak / 1e9:,.1f} GFLOP/s ({meter.source})",
         *notes,
         f"resuming from step {start_step}" if resume else
         (f"initialised from {run.init_from}" if run.init_from else "fresh start"),
@@ -276,8 +276,8 @@ class MetricsReader:
 
     Throughput counts training only: the first step (compilation) reports none, a log step is read as soon as
     it completes (no later step in flight), so a window's time covers exactly its steps, and the clock
-    restarts after every pause that is not a step (checkpoint, evaluation, the MFU probe). Tokens/s and MFU
-    come from the session's :class:`MFUMeter`, the definition the benchmarks use."""
+    restarts after every pause that is not a step (checkpoint, evaluation). Tokens/s and MFU come from the
+    session's :class:`MFUMeter` (one peak for the run), the definition the benchmarks use."""
 
     def __init__(self, session: Session) -> None:
         self.session, self.pending = session, None
@@ -331,12 +331,8 @@ class MetricsReader:
         session, model = self.session, self.session.configs.model
         figures = {"tokens_per_second": math.nan, "mfu": math.nan, "step_time_s": math.nan}
         if self.window_steps:
-            probe_device = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("probe",))  # not the run's mesh
-            with jax.set_mesh(probe_device):
-                session.meter.sample()  # the probe shares the device: taken between steps, off the clock
             figures = session.meter.report(session.configs.train.batch_size * model.seq_len,
                                            self.window_time / self.window_steps)
-            del figures["peak_flops_per_device"]
         session.logger.write({"step": step, **{k: v for k, v in values.items() if k != "tokens"}, **figures})
         session.logger.progress(step, values["loss"], figures["tokens_per_second"])
         self.window_time = self.window_steps = 0.0

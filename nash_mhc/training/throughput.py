@@ -3,21 +3,28 @@
     MFU = (tokens per step / mean step time) · flops_per_token / (peak FLOP/s per device · devices)
 
 * ``flops_per_token`` is :meth:`nash_mhc.ModelConfig.flops_per_token` (forward + backward, real vocabulary).
-* The peak is the vendor's dense bf16 figure (:data:`PEAK_FLOPS`) on a device whose kind is in the table. On
-  any other device (a CPU, an accelerator missing from the table) it is measured by a matmul probe in the
-  model's compute dtype, taken next to the steps it is compared with (the speed of a shared CPU drifts by tens
-  of percent between minutes), and summarised with the same statistic as the step times: the mean time.
+* The peak is one figure per device and compute dtype, fixed before the first step and used for every log
+  line and benchmark row: the vendor's dense bf16 figure (:data:`PEAK_FLOPS`) on a device whose kind is in
+  the table; on any other device (a CPU, an accelerator missing from the table) the best FLOP/s of a square
+  matmul probe once its readings are steady (:func:`steady_best`), measured once per process
+  (:func:`measured_peak`).
 
-:class:`MFUMeter` holds that definition; a caller feeds it probe samples next to its step timings
-(:meth:`MFUMeter.sample`) and asks for the figures of a window of steps (:meth:`MFUMeter.report`).
+Why the best and not the mean: interference only ever slows the probe down. On a shared CPU a run reads
+either the hardware's rate (every core busy with it) or about half of it when a core is taken (another
+process, the prefetch thread, a thread pool still spinning after a train step), in stretches of a few
+hundred milliseconds (benchmarks/README.md, "MFU convention"). The mean of a few probes taken between
+training steps landed anywhere between the two, so the logged MFU jumped by ±20 points at a constant
+tokens/s; the best of a warm, steady run reads the hardware's rate every time, and a step slowed by the
+same interference shows as a lower MFU, which is what MFU is for.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +44,10 @@ PEAK_FLOPS = {
 }
 
 PROBE_SIZE = 1024
+PROBE_BLOCK = 8  # probe runs per block
+PROBE_MIN_BLOCKS = 3  # blocks after the warm-up block before the reading may count as steady
+PROBE_TOLERANCE = 0.03  # steady: a block's best within 3 % of the best before it
+PROBE_MAX_SECONDS = 1.0  # give up waiting for steadiness after this long (the best so far is kept)
 
 
 def table_peak(device_kind: str) -> float | None:
@@ -44,6 +55,14 @@ def table_peak(device_kind: str) -> float | None:
     kind = device_kind.lower()
     matches = [name for name in PEAK_FLOPS if name in kind]
     return PEAK_FLOPS[max(matches, key=len)] if matches else None
+
+
+class Probe(Protocol):
+    """Something that does ``flops`` FLOPs per call and returns the seconds the call took."""
+
+    flops: float
+
+    def __call__(self) -> float: ...
 
 
 class MatmulProbe:
@@ -63,70 +82,62 @@ class MatmulProbe:
         return time.perf_counter() - start
 
 
+def steady_best(probe: Probe, *, block: int = PROBE_BLOCK, min_blocks: int = PROBE_MIN_BLOCKS,
+                tolerance: float = PROBE_TOLERANCE, max_seconds: float = PROBE_MAX_SECONDS,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """The best FLOP/s of ``probe`` once warm and steady.
+
+    One block of ``block`` runs warms up (caches, thread pools) and is discarded. Then blocks run until, after
+    at least ``min_blocks``, a block's best reproduces the best before it within ``tolerance`` (steady: the
+    reading neither rose nor dipped), or until ``max_seconds`` have passed; the result is the best single run.
+    """
+    for _ in range(block):
+        probe()
+    start, best, blocks = clock(), 0.0, 0
+    while True:
+        block_best = max(probe.flops / probe() for _ in range(block))
+        steady = blocks > 0 and abs(block_best - best) <= tolerance * best
+        best, blocks = max(best, block_best), blocks + 1
+        if (steady and blocks >= min_blocks) or clock() - start >= max_seconds:
+            return best
+
+
+@functools.cache
+def measured_peak(device: Any, dtype: str) -> float:
+    """:func:`steady_best` of a :class:`MatmulProbe` on ``device`` in ``dtype``, measured once per process."""
+    return steady_best(MatmulProbe(device, dtype=dtype))
+
+
 @dataclasses.dataclass(frozen=True)
-class Peak:
-    """Peak FLOP/s of one device and where the figure comes from."""
-
-    per_device: float
-    source: str
-
-
 class MFUMeter:
-    """Tokens/s and MFU of windows of training steps on ``num_devices`` devices like ``device``.
+    """Tokens/s and MFU of training steps on ``num_devices`` devices like ``device``, all over one ``peak``.
 
-    With a table peak nothing is measured. Otherwise call :meth:`sample` next to the step timings of each
-    window (while no step is running: the probe shares the device), and :meth:`report` divides by the mean
-    of the probe samples taken since the previous report, as the step time is the mean over the window.
-    ``probe`` replaces the matmul probe (tests: any callable returning seconds, with a ``flops`` attribute).
+    The peak (FLOP/s per device) is the table's, else :func:`measured_peak` (at construction, so before the
+    first step; once per process). ``probe`` replaces the matmul probe (tests: a :class:`Probe`).
     """
 
-    def __init__(self, flops_per_token: float, num_devices: int, *, device: Any | None = None,
-                 dtype: str = "float32", probe: Callable[[], float] | None = None):
+    flops_per_token: float
+    num_devices: int
+    peak: float
+    source: str  # where the peak comes from (the table entry, or the probe's platform, dtype and size)
+
+    @classmethod
+    def for_device(cls, flops_per_token: float, num_devices: int, *, device: Any | None = None,
+               dtype: str = "float32", probe: Probe | None = None) -> MFUMeter:
         device = jax.devices()[0] if device is None else device
-        self.flops_per_token = float(flops_per_token)
-        self.num_devices = int(num_devices)
-        self._table = table_peak(device.device_kind)
-        self._source = (f"{device.device_kind} table" if self._table is not None
-                        else f"{device.platform} {dtype} {PROBE_SIZE}² matmul probe")
-        self._probe = None
-        if self._table is None:
-            self._probe = MatmulProbe(device, dtype=dtype) if probe is None else probe
-        self._samples: list[float] = []
-
-    @property
-    def source(self) -> str:
-        """Where the peak comes from (the table entry, or the probe's platform, dtype and size)."""
-        return self._source
-
-    @property
-    def measured(self) -> bool:
-        """True when the peak is measured (probe), False when it comes from the table."""
-        return self._probe is not None
-
-    def sample(self) -> None:
-        """Time one probe run now and keep it for the next :meth:`report` (nothing with a table peak)."""
-        if self._probe is not None:
-            self._samples.append(self._probe())
-
-    def peak(self) -> Peak:
-        """The table figure, or the probe's FLOPs over the mean time of the samples since the last report
-        (one is taken now if there are none)."""
-        if self._probe is None:
-            return Peak(self._table, self.source)
-        if not self._samples:
-            self.sample()
-        mean_seconds = sum(self._samples) / len(self._samples)
-        return Peak(self._probe.flops / mean_seconds, self.source)
+        table = table_peak(device.device_kind)
+        if table is not None:
+            return cls(float(flops_per_token), int(num_devices), table, f"{device.device_kind} table")
+        peak = measured_peak(device, dtype) if probe is None else steady_best(probe)
+        return cls(float(flops_per_token), int(num_devices), peak,
+                   f"{device.platform} {dtype} {PROBE_SIZE}² matmul probe, best once steady")
 
     def report(self, tokens_per_step: float, mean_step_seconds: float) -> dict[str, float]:
-        """Figures of one window: tokens/s, MFU, the mean step time and the peak per device used. Starts a new
-        window of probe samples."""
-        peak = self.peak().per_device
-        self._samples.clear()
+        """Figures of steps that took ``mean_step_seconds`` each: tokens/s, MFU and the mean step time."""
         tokens_per_second = tokens_per_step / mean_step_seconds
         return {"tokens_per_second": tokens_per_second,
-                "mfu": mfu(tokens_per_second, self.flops_per_token, peak, self.num_devices),
-                "step_time_s": mean_step_seconds, "peak_flops_per_device": peak}
+                "mfu": mfu(tokens_per_second, self.flops_per_token, self.peak, self.num_devices),
+                "step_time_s": mean_step_seconds}
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, peak_per_device: float, num_devices: int) -> float:
@@ -134,13 +145,4 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak_per_device: float
     return tokens_per_second * flops_per_token / (peak_per_device * num_devices)
 
 
-def device_peak(device: Any | None = None, dtype: str = "float32") -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the figure comes from): the table, or one probe run now.
-
-    A start-up figure for logs; MFU itself comes from :class:`MFUMeter`, whose probe is taken per window.
-    """
-    peak = MFUMeter(0.0, 1, device=device, dtype=dtype).peak()
-    return peak.per_device, peak.source
-
-
-__all__ = ["PEAK_FLOPS", "MFUMeter", "MatmulProbe", "Peak", "device_peak", "mfu", "table_peak"]
+__all__ = ["PEAK_FLOPS", "MFUMeter", "MatmulProbe", "Probe", "measured_peak", "mfu", "steady_best", "table_peak"]
