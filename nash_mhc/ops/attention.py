@@ -7,12 +7,17 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
+from nash_mhc.ops.matmul import f32_einsum
+
 
 @jaxtyped(typechecker=beartype)
 def masked_attention(q: Float[Array, "query heads head_dim"], k: Float[Array, "key heads head_dim"],
                      v: Float[Array, "key heads head_dim"], mask: Bool[Array, "query key"]
                      ) -> Float[Array, "query heads head_dim"]:
     """softmax(q kᵀ / √K, restricted to ``mask``) v with float32 scores and softmax.
+
+    Both matmuls take operands of q's and v's dtype and accumulate in float32, forward and backward (the
+    float32 cotangents of the scores and the output are rounded to that dtype: :func:`f32_einsum`).
 
     Masked scores are -inf, so their probabilities are exactly 0. Every query row needs at least one
     unmasked key. The core of :func:`causal_attention` and of one-query incremental decoding.
@@ -24,11 +29,11 @@ def masked_attention(q: Float[Array, "query heads head_dim"], k: Float[Array, "k
 
 def _attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     head_dim = q.shape[-1]
-    scores = jnp.einsum("qhk,shk->hqs", q, k, preferred_element_type=jnp.float32)
+    scores = f32_einsum("qhk,shk->hqs", q, k, q.dtype)  # float32 scores; the backward matmuls stay in q's dtype
     scores = scores * (1.0 / head_dim**0.5)
     scores = jnp.where(mask[None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("hqs,shk->qhk", probs, v, preferred_element_type=jnp.float32).astype(v.dtype)
+    return f32_einsum("hqs,shk->qhk", probs, v, v.dtype).astype(v.dtype)
 
 
 MAX_QUERY_CHUNKS = 8
