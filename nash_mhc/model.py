@@ -21,6 +21,7 @@ from nash_mhc.layers.ffn import SwiGLU
 from nash_mhc.layers.hyperconnection import HyperConnection
 from nash_mhc.layers.init import EMBED_STD, normal
 from nash_mhc.layers.norm import RMSNorm
+from nash_mhc.ops.matmul import f32_einsum
 from nash_mhc.ops.multiscale import choice_mask
 from nash_mhc.params import ROLES, declared_parameters, map_declared, param, stacked
 from nash_mhc.sharding import constrain_batch
@@ -219,9 +220,10 @@ class LanguageModel(eqx.Module):
         """LM head on collapsed states ``h`` [..., T, D]: logits [..., T, V] float32, padded columns -1e30.
         Position-wise, so it can run on a slice of the positions at a time (chunked cross-entropy)."""
         c = self.config
-        dt = jnp.dtype(c.dtype)
         head = self.embedding.T if self.head is None else self.head
-        logits = jnp.einsum("...d,dv->...v", h.astype(dt), head.astype(dt), preferred_element_type=jnp.float32)
+        # Compute-dtype operands, float32 accumulation and logits; the backward matmuls stay in the compute dtype.
+        logits = f32_einsum("td,dv->tv", h.reshape(-1, h.shape[-1]), head, c.dtype)
+        logits = logits.reshape(*h.shape[:-1], logits.shape[-1])
         real = jnp.arange(c.padded_vocab_size) < c.vocab_size
         return jnp.where(real, logits, -1e30)
 

@@ -10,7 +10,8 @@ fit the devices' memory, anything else a crash.
 same flags (nothing allocated, no data read; only the tokenizer is loaded, for the vocabulary size), compiles
 the train step that training runs on the ``--mesh-*`` mesh over the local devices or over a TPU topology's
 abstract devices (needs libtpu, the ``tpu`` extra; no TPU), and prints the memory per chip
-(:mod:`nash_mhc.training.fit`).
+(:mod:`nash_mhc.training.fit`) and, for a TPU, the compiler's estimated step time, tokens/s per chip and MFU
+(:mod:`nash_mhc.training.estimate`; an estimate, not a measurement).
 
 ``--wandb-project NAME`` also logs the run to Weights & Biases (:mod:`nash_mhc.training.wandb_log`), and
 ``--profile-steps A:B`` writes a profiler trace of those steps (:mod:`nash_mhc.training.profiling`).
@@ -68,8 +69,8 @@ class CompileOnly:
     """Compile the train step and report whether it fits, instead of training."""
 
     compile_only: bool = setting(False, "compile the train step for the devices (or --topology) without "
-                                        "allocating it, print memory per chip against its HBM and exit: 0 fits, "
-                                        "4 does not fit")
+                                        "allocating it, print memory per chip against its HBM (and on a TPU the "
+                                        "compiler's estimated step time) and exit: 0 fits, 4 does not fit")
     topology: str | None = setting(None, "with --compile-only: a TPU topology (v5e:2x4, v4:2x2x4) or Cloud "
                                          "accelerator type (v5litepod-8, v6e-8, v4-32) to compile for on this "
                                          "host (needs libtpu); default: the local devices")

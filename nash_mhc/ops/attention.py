@@ -7,6 +7,8 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
+from nash_mhc.ops.matmul import f32_einsum
+
 
 @jaxtyped(typechecker=beartype)
 def masked_attention(q: Float[Array, "query heads head_dim"], k: Float[Array, "key heads head_dim"],
@@ -14,21 +16,35 @@ def masked_attention(q: Float[Array, "query heads head_dim"], k: Float[Array, "k
                      ) -> Float[Array, "query heads head_dim"]:
     """softmax(q kᵀ / √K, restricted to ``mask``) v with float32 scores and softmax.
 
+    Both matmuls take operands of q's and v's dtype and accumulate in float32, forward and backward (the
+    float32 cotangents of the scores and the output are rounded to that dtype: :func:`f32_einsum`).
+
     Masked scores are -inf, so their probabilities are exactly 0. Every query row needs at least one
     unmasked key. The core of :func:`causal_attention` and of one-query incremental decoding.
     Rematerialised: the backward pass keeps q, k, v and recomputes the [H, Tq, Tk] probabilities instead
     of saving them (one extra QKᵀ matmul for no score-sized residuals).
     """
-    return jax.checkpoint(_attention_core, prevent_cse=False)(q, k, v, mask)
+    return jax.checkpoint(_masked_attention, prevent_cse=False)(q, k, v, mask)
+
+
+def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    out = _attention_core(*(_head_major(a) for a in (q, k, v)), mask)
+    return _head_major(out)
+
+
+def _head_major(a: jax.Array) -> jax.Array:
+    """[T, H, K] ↔ [H, T, K]: both matmuls of :func:`_attention_core` then batch over the leading heads."""
+    return jnp.swapaxes(a, 0, 1)
 
 
 def _attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Head-major q [H, Tq, K], k and v [H, Tk, K], mask [Tq, Tk] → [H, Tq, K]."""
     head_dim = q.shape[-1]
-    scores = jnp.einsum("qhk,shk->hqs", q, k, preferred_element_type=jnp.float32)
+    scores = f32_einsum("hqk,hsk->hqs", q, k, q.dtype)  # float32 scores; the backward matmuls stay in q's dtype
     scores = scores * (1.0 / head_dim**0.5)
     scores = jnp.where(mask[None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("hqs,shk->qhk", probs, v, preferred_element_type=jnp.float32).astype(v.dtype)
+    return f32_einsum("hqs,hsk->hqk", probs, v, v.dtype).astype(v.dtype)
 
 
 MAX_QUERY_CHUNKS = 8
@@ -62,12 +78,16 @@ def causal_attention(q: Float[Array, "seq heads head_dim"], k: Float[Array, "seq
 
 
 def _block_causal(q: jax.Array, k: jax.Array, v: jax.Array, chunks: int) -> jax.Array:
-    """The chunk loop of :func:`causal_attention`, slicing inside the checkpoint so only q, k, v are kept."""
-    seq = q.shape[0]
+    """The chunk loop of :func:`causal_attention`, slicing inside the checkpoint so only q, k, v are kept.
+
+    q, k, v are made head-major once ([H, T, K]; the chunks slice them along T), not once per chunk: on the
+    CPU each chunk's [T, H, K] slice was otherwise transposed for its matmul, 2.5 x the copying at 4 chunks."""
+    q, k, v = (_head_major(a) for a in (q, k, v))
+    seq = q.shape[1]
     size = seq // chunks
     outputs = []
     for chunk in range(chunks):
         start, end = chunk * size, (chunk + 1) * size
         mask = jnp.tril(jnp.ones((size, end), bool), k=start)  # query start+i sees keys j <= start+i
-        outputs.append(_attention_core(q[start:end], k[:end], v[:end], mask))
-    return outputs[0] if chunks == 1 else jnp.concatenate(outputs, axis=0)
+        outputs.append(_attention_core(q[:, start:end], k[:, :end], v[:, :end], mask))
+    return _head_major(outputs[0] if chunks == 1 else jnp.concatenate(outputs, axis=1))

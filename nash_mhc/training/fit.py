@@ -16,7 +16,8 @@ megacore device per chip, as JAX sees them on the VM. Per chip: v4 32 GiB, v5e 1
 
 Memory per chip (``compiled.memory_analysis()``): arguments (parameters + optimizer state + the batch shard),
 temporaries, outputs not aliased to a donated argument, and the program itself. The FLOP and byte estimates
-are XLA's ``cost_analysis()``, which counts a ``lax.scan`` body once (so not a per-step total).
+are XLA's ``cost_analysis()``, which counts a ``lax.scan`` body once (so not a per-step total); on a TPU the
+estimated step time (:mod:`nash_mhc.training.estimate`) counts every loop by its trip count.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from nash_mhc.config import ModelConfig
 from nash_mhc.hardware import captured_native_stderr, detect_accelerator, libtpu_installed, tpu_chips_on_pci
 from nash_mhc.model import num_params
 from nash_mhc.sharding import batch_spec, make_mesh
+from nash_mhc.training import estimate
 from nash_mhc.training import step as train_step_module
 from nash_mhc.training.config import TrainConfig
 from nash_mhc.training.state import Batch, TrainState, state_initializer, training_model_config
@@ -227,6 +229,9 @@ class FitReport:
     compile_seconds: float
     compiler_error: str | None = None
     available_bytes: int | None = None  # what the compiler says it may use, when it ran out of memory
+    flops_per_token: float = 0.0        # model FLOPs per token (ModelConfig.flops_per_token), for the MFU
+    step_cost: estimate.StepCost | None = None  # the compiler's per-step cost (TPU), loops by trip count
+    estimate_error: str | None = None   # why there is no step_cost on a TPU
 
     @property
     def total_bytes(self) -> int | None:
@@ -310,7 +315,8 @@ def check_fit(model_config: ModelConfig, train_config: TrainConfig, *, topology:
     common = dict(target=target, device_kind=devices[0].device_kind, num_devices=len(devices),
                   mesh_shape=tuple(mesh.shape.values()), batch_size=train_config.batch_size,
                   seq_len=model_config.seq_len, grad_accum_steps=train_config.grad_accum_steps,
-                  preset=describe_model(model_config, train_config), state_bytes=state_bytes)
+                  preset=describe_model(model_config, train_config), state_bytes=state_bytes,
+                  flops_per_token=training_model_config(model_config, train_config).flops_per_token())
 
     start = time.perf_counter()
     # The step training runs (filter_jit over _train_step, state donated), traced inside a jit that takes the
@@ -339,7 +345,8 @@ def check_fit(model_config: ModelConfig, train_config: TrainConfig, *, topology:
         flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"), lower_seconds=lowered_at - start,
         compile_seconds=compiled_at - lowered_at)
     fits = None if hbm is None else report.total_bytes <= hbm
-    return dataclasses.replace(report, fits=fits)
+    step_cost, error = estimate.compiled_step_cost(compiled, devices[0].device_kind)
+    return dataclasses.replace(report, fits=fits, step_cost=step_cost, estimate_error=error)
 
 
 def _gib(value: int | None) -> str:
@@ -376,6 +383,7 @@ def report_lines(report: FitReport) -> list[str]:
             + ("" if report.headroom_bytes is None else f", headroom {_gib(report.headroom_bytes)}"),
             f"compiler estimates per chip: {report.flops or 0:.3e} FLOP, {report.bytes_accessed or 0:.3e} bytes "
             "accessed (a scan body counted once)",
+            *estimate.estimate_lines(report),
         ]
     lines.append(f"compile time: {report.lower_seconds + report.compile_seconds:.1f} s (trace and lower "
                  f"{report.lower_seconds:.1f} s, compile {report.compile_seconds:.1f} s)")

@@ -1,0 +1,216 @@
+"""docs/tpu.md's estimate table: the TPU compiler's estimated step time, tokens/s per chip, MFU and HBM bytes per
+step of presets x model variants on TPU slices, from libtpu on this CPU host (no TPU; every figure is the
+compiler's cost model, never a measurement).
+
+    python benchmarks/tpu_estimate.py [--presets base 1b 3b] [--slices v5e-8 v6e-8 v4-32] \\
+        [--variants plain+full mhc+full mhc+multiscale+nash] [--results docs/results/tpu_estimate.jsonl] \\
+        [--doc docs/tpu.md] [--label before] [--hlo-dir DIR] [--table-only]
+
+Each (preset, slice) runs at the fit table's batch (the largest per-chip batch that fits, from
+docs/results/tpu_fit.jsonl: remat full in groups of 4 layers, 8 loss chunks, fsdp over every chip, data 1, tp
+1) with the same memory flags, and each variant is one ``python -m nash_mhc.train --compile-only`` configuration
+(built by the training program's own parser) compiled once: :mod:`nash_mhc.training.estimate` counts the loops
+of the compiled step by their trip counts, so no variant compiles are needed. Every compile is appended to the
+results file (JSON lines) as soon as it ends and the table between the ``tpu-estimate`` markers of the doc is
+rewritten from all results with the run's ``--label``, so an interrupted run keeps its rows and a rerun skips
+what it has. ``--hlo-dir`` keeps each optimised HLO module (gzip) to recompute the figures without compiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+START, END = "<!-- tpu-estimate start -->", "<!-- tpu-estimate end -->"
+GIB = 2**30
+PRESETS = ["base", "1b", "3b"]
+SLICES = ["v5e-8", "v6e-8", "v4-32"]
+VARIANTS = {"plain+full": ["--residual", "plain", "--attention", "full"],
+            "mhc+full": ["--residual", "mhc", "--attention", "full"],
+            "mhc+multiscale+nash": ["--residual", "mhc", "--attention", "multiscale", "--aggregation", "nash"]}
+MEMORY_FLAGS = ["--remat", "full", "--remat-group", "4", "--loss-chunks", "8"]
+
+
+def fit_batches(path: Path) -> dict[tuple[str, str], int]:
+    """{(preset, slice): the largest per-chip batch that fits} from the fit table's results (groups of 4, 8
+    chunks)."""
+    best: dict[tuple[str, str], int] = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line) if line.strip() else None
+        if r and r["fits"] and r.get("remat_group", 1) == 4 and r["loss_chunks"] == 8:
+            best[r["preset"], r["slice"]] = max(best.get((r["preset"], r["slice"]), 0), r["per_chip"])
+    return best
+
+
+def key(preset: str, slice_name: str, variant: str, per_chip: int, label: str) -> str:
+    return f"{preset}|{slice_name}|{variant}|{per_chip}|{label}"
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def flags(preset: str, slice_name: str, variant: str, per_chip: int) -> list[str]:
+    """The training program's flags of one table entry (its --compile-only command, less --topology)."""
+    from nash_mhc.training.fit import resolve_topology
+
+    chips = resolve_topology(slice_name).chips
+    return ["--model", preset, *VARIANTS[variant], *MEMORY_FLAGS, "--batch-size", str(per_chip * chips),
+            "--mesh-data", "1", "--mesh-fsdp", str(chips), "--mesh-tp", "1"]
+
+
+def compile_once(preset: str, slice_name: str, variant: str, per_chip: int, label: str,
+                 hlo_dir: Path | None) -> dict:
+    import jax
+
+    from nash_mhc import train as train_program
+    from nash_mhc.training import estimate, fit
+
+    argv = flags(preset, slice_name, variant, per_chip)
+    configs, _ = train_program.configs(argv)
+    original = estimate.step_cost
+    if hlo_dir is not None:  # keep the optimised HLO the estimate reads
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        target = hlo_dir / f"{preset}_{slice_name}_{variant}_{per_chip}_{label}.hlo.gz"
+
+        def saving(text: str) -> estimate.StepCost:
+            target.write_bytes(gzip.compress(text.encode()))
+            return original(text)
+
+        estimate.step_cost = saving
+    start = time.perf_counter()
+    try:
+        report = fit.check_fit(configs.model, configs.train, topology=slice_name, data=configs.mesh.data,
+                               fsdp=configs.mesh.fsdp, tp=configs.mesh.tp)
+    finally:
+        estimate.step_cost = original
+    jax.clear_caches()
+    cost = report.step_cost
+    figures = None if cost is None else estimate.step_estimate(
+        cost, device_kind=report.device_kind, chips=report.num_devices,
+        tokens_per_step=report.batch_size * report.seq_len, flops_per_token=report.flops_per_token)
+    return {"preset": preset, "slice": slice_name, "variant": variant, "per_chip": per_chip, "label": label,
+            "flags": " ".join(argv), "seq_len": report.seq_len, "chips": report.num_devices,
+            "fits": report.fits, "total_bytes": report.total_bytes, "estimate_error": report.estimate_error,
+            "seconds": figures and figures.seconds, "tokens_per_second_per_chip":
+            figures and figures.tokens_per_second_per_chip, "mfu": figures and figures.mfu,
+            "cycles": cost and cost.cycles, "matmul_cycles": cost and cost.matmul_cycles,
+            "cycles_once": cost and cost.cycles_once, "hbm_bytes": cost and cost.hbm_bytes,
+            "collective_bytes": cost and cost.collective_bytes, "loops": cost and len(cost.loops),
+            "uncosted": cost and cost.uncosted, "flops_per_token": report.flops_per_token,
+            "compile_seconds": round(time.perf_counter() - start, 1),
+            "machine": f"{os.uname().nodename}, {os.cpu_count()} CPU cores", "commit": commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def table(results: dict[str, dict], presets: list[str], slices: list[str], variants: list[str],
+          batches: dict[tuple[str, str], int], label: str) -> tuple[list[str], list[str]]:
+    """(markdown rows, the entries with no result yet)."""
+    rows = ["| preset | slice | tokens per chip | variant | est. step time | est. tokens/s per chip | est. MFU | "
+            "HBM per chip per step | step time ÷ plain+full | compile |",
+            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    missing = []
+    for preset in presets:
+        for slice_name in slices:
+            per_chip = batches.get((preset, slice_name))
+            if per_chip is None:
+                missing.append(f"{preset} on {slice_name} (no fit-table batch)")
+                continue
+            found = {v: results.get(key(preset, slice_name, v, per_chip, label)) for v in variants}
+            base = found.get("plain+full")
+            for variant, r in found.items():
+                if r is None:
+                    missing.append(f"{preset} {variant} on {slice_name}")
+                    continue
+                if r["seconds"] is None:
+                    rows.append(f"| {preset} | {slice_name} | {per_chip} x {r['seq_len']} | {variant} | "
+                                f"{'does not fit' if r['fits'] is False else r['estimate_error']} | | | | | |")
+                    continue
+                ratio = (f"{r['seconds'] / base['seconds']:.2f}" if base and base.get("seconds") else "")
+                rows.append(f"| {preset} | {slice_name} | {per_chip} x {r['seq_len']} | {variant} | "
+                            f"{1e3 * r['seconds']:,.0f} ms | {r['tokens_per_second_per_chip']:,.0f} | "
+                            f"{100 * r['mfu']:.1f} % | {r['hbm_bytes'] / GIB:,.0f} GiB | {ratio} | "
+                            f"{r['compile_seconds'] / 60:.0f} min |")
+    return rows, missing
+
+
+def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str, label: str) -> None:
+    text = doc.read_text()
+    if START not in text:
+        raise SystemExit(f"{doc} has no {START} ... {END} markers")
+    body = [START, "", f"Produced by (run label `{label}`)", "", "```bash", command, "```", "",
+            f"on {machine} (no TPU: libtpu's compiler and its cost model; every figure is the compiler's estimate, "
+            "not a measurement). Each row is one `--compile-only` of the preset with the variant's `--residual` / "
+            "`--attention` flags and `" + " ".join(MEMORY_FLAGS) + "`, fsdp over every chip, at the fit table's "
+            "batch; the results file holds the exact flags, cycles and commit of each.", "",
+            *(rows + [""] if len(rows) > 2 else [])]
+    if missing:
+        body += [f"No estimate yet: {', '.join(missing)}.", ""]
+    body.append(END)
+    doc.write_text(text[:text.index(START)] + "\n".join(body) + text[text.index(END) + len(END):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", nargs="+", default=PRESETS, help="presets to compile")
+    parser.add_argument("--slices", nargs="+", default=SLICES, help="TPU slices to compile for")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="model variants (residual + attention)")
+    parser.add_argument("--results", default=str(ROOT / "docs" / "results" / "tpu_estimate.jsonl"))
+    parser.add_argument("--fit-results", default=str(ROOT / "docs" / "results" / "tpu_fit.jsonl"),
+                        help="the fit table's results: where the batches come from")
+    parser.add_argument("--doc", default=str(ROOT / "docs" / "tpu.md"))
+    parser.add_argument("--label", default="before", help="names this run's rows (a rerun after a model change "
+                        "takes another label)")
+    parser.add_argument("--hlo-dir", default=None, help="keep each compiled step's optimised HLO here (gzip)")
+    parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results only")
+    args = parser.parse_args()
+    results_path, doc = Path(args.results), Path(args.doc)
+    batches = fit_batches(Path(args.fit_results))
+    results = {}
+    if results_path.exists():
+        for line in results_path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                results[key(r["preset"], r["slice"], r["variant"], r["per_chip"], r["label"])] = r
+    command = f"python benchmarks/tpu_estimate.py --label {args.label}"
+    machine = f"a shared {os.cpu_count()}-core AMD EPYC VM, CPU only"
+
+    def refresh() -> None:
+        rows, missing = table(results, PRESETS, SLICES, list(VARIANTS), batches, args.label)
+        write_doc(doc, rows, missing, command, machine, args.label)
+
+    refresh()
+    if args.table_only:
+        return
+    for preset in args.presets:  # cheapest first
+        for slice_name in args.slices:
+            per_chip = batches.get((preset, slice_name))
+            for variant in args.variants:
+                name = key(preset, slice_name, variant, per_chip or 0, args.label)
+                if per_chip is None or name in results:
+                    continue
+                results[name] = compile_once(preset, slice_name, variant, per_chip, args.label,
+                                             Path(args.hlo_dir) if args.hlo_dir else None)
+                results_path.parent.mkdir(parents=True, exist_ok=True)
+                with results_path.open("a") as f:
+                    f.write(json.dumps(results[name]) + "\n")
+                r = results[name]
+                seconds = "-" if r["seconds"] is None else f"{1e3 * r['seconds']:.1f} ms"
+                print(f"{preset} {slice_name} {variant} {per_chip}/chip: {seconds} "
+                      f"({r['compile_seconds']:.0f} s)", flush=True)
+                refresh()
+
+
+if __name__ == "__main__":
+    main()
