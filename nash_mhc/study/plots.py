@@ -83,6 +83,8 @@ def scaling_figure(results: list[dict[str, Any]], fits: dict[str, Any], variants
             ax.plot(beyond, fit.predict(beyond), color=colors(i), linestyle="--", linewidth=0.9)
     ax.set(xscale="log", yscale="log", xlabel="training FLOPs C (FLOPs/token x tokens)",
            ylabel="held-out bits per byte", title="scaling: fits solid, extrapolation dashed")
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # plain numbers within a decade
+        axis(plt.FormatStrFormatter("%.2f"))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()

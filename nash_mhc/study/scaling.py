@@ -18,12 +18,11 @@
 Runs live in ``<out>/runs/<variant>/d<D>-L<L>-h<H>``; finished runs are skipped, interrupted ones resume from
 their checkpoints when the command is rerun.
 
-Default size, measured on the shared 2-core VM (CPU, float32, load average about 3), median seconds per step at
-``--seq-len 256``, batch 8, for the five sizes: plain+full 0.015 / 0.019 / 0.045 (est.) / 0.05 (est.) / 0.09
-(est.; 96:3:4 measured 0.070, 128:4:4 0.133), mhc+nash 0.086 / 0.101 / 0.13 (est.) / 0.15 (est.) / 0.19 (est.;
-96:3:4 0.168, 128:4:4 0.237). At r = 20 the runs take 321-4328 steps (plain+full) and 531-6543 (mhc+nash):
-about 10 + 37 min of steps plus about 3 min of start-up and evaluation, about 50 min in all (an estimate; this
-VM's speed drifts by +-40 %).
+Default size, measured on the shared 2-core VM (CPU, float32, other jobs running: load average 3-4), median
+seconds per step at ``--seq-len 256``, batch 8, of 30-step runs of the five sizes: plain+full 0.015 / 0.019 /
+0.045 / 0.063 / 0.089, mhc+nash 0.086 / 0.101 / 0.169 / 0.201 / 0.276. At r = 20 the runs take 321 / 542 / 1204 /
+2555 / 4328 steps (plain+full) and 531 / 916 / 2072 / 3789 / 6543 (mhc+nash): 10 + 51 min of steps plus about
+4 min of start-up and evaluation, about 65 min in all (an estimate; this VM's speed drifts by +-40 %).
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def write_outputs(args: argparse.Namespace, settings: Any, runs: list[Any], budg
     lines += report.markdown_table(["variant", "sizes", "a", "b", "C range (FLOPs)", "RSS (ln bpb)"], fit_rows)
     lines += [""] + [f"- {crossing_sentence(base, v, fitted[base], fitted[v], c)}" for v, c in crossings.items()]
     lines += ["", "![bits per byte against compute](scaling.png)", "", "## Every run", ""]
-    table = [[label(r["variant"]), r["size"], report.millions(r["non_embedding_params"]), str(r["steps"]),
+    table = [[label(r["variant"]), r["size"], f"{r['non_embedding_params']:,}", str(r["steps"]),
               f"{r['tokens']:,}", f"{r['compute']:.3g}",
               "diverged" if r["status"] != "finished" else f"{r['bits_per_byte']:.4f}",
               f"{r['step_time_s']:.3f}" if r["step_time_s"] else "n/a", report.duration(r["wall_s"])]
