@@ -74,9 +74,9 @@ class ModelConfig(ConfigMethods):
 
     vocab_size: int = 259
     seq_len: int = setting(256, "context length")
-    d_model: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
+    d_model: int = setting(256, "model width D")
+    num_layers: int = setting(4, "transformer layers")
+    num_heads: int = setting(4, "attention heads (must divide the width)")
     num_streams: int = setting(4, "mHC residual streams n")
     num_scales: int = setting(3, "attention scales L")
     compression_ratio: int = setting(4, "block size ratio r between attention scales (scale l pools r**l tokens)")

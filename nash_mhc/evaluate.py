@@ -4,7 +4,9 @@ Loads the latest (or ``--step``) checkpoint of a training run's ``--checkpoint-d
 held-out ``eval`` part of the run's dataset (or ``--dataset``), at the model's context length, with the same
 code the training program logs ``eval_loss`` with (:mod:`nash_mhc.training.evaluation`). Prints one JSON
 line: loss (mean nats per predicted token), perplexity (exp(loss)), bits_per_byte (total nats / ln 2 / UTF-8
-bytes of the predicted text, comparable across tokenizers), aux_loss, tokens, bytes, batches, step.
+bytes of the predicted text, comparable across tokenizers), aux_loss, tokens, bytes, batches, first_batch, step.
+``--first-batch K --num-batches N`` reads batches [K, K + N) of the held-out pass (disjoint ranges read disjoint
+windows); ``--window-seed`` fixes the windows' order across runs of different seeds.
 ``--untrained`` evaluates the run's step-0 initialisation instead, the baseline to compare with.
 ``--mesh-data/--mesh-fsdp/--mesh-tp`` restore the model sharded over that mesh as training shards it (for
 models larger than one device; the batch is split over data x fsdp); without them it runs on one device.
@@ -34,6 +36,12 @@ class EvaluateConfig:
     batch_size: int = setting(8, "sequences per batch", check=POSITIVE_INT)
     num_batches: int = setting(16, "batches to evaluate (0: the whole part; capped at one pass over it)",
                                check=NON_NEGATIVE_INT)
+    first_batch: int = setting(0, "index of the first batch to evaluate: batches [K, K + num-batches) of the pass, "
+                                  "so evaluations of disjoint ranges read disjoint windows (e.g. a selection and "
+                                  "a report split)", check=NON_NEGATIVE_INT)
+    window_seed: int | None = setting(None, "seed of the order of the held-out windows (default: the run's seed); "
+                                            "fix it to read the same windows for runs of different seeds",
+                                      check=NON_NEGATIVE_INT)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -52,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from nash_mhc.data import DataConfig, open_windows
     from nash_mhc.inference import load_from_flags
     from nash_mhc.sharding import batch_shards
-    from nash_mhc.training.evaluation import evaluate
+    from nash_mhc.training.evaluation import batch_range, evaluate
 
     parser = build_parser()
     try:
@@ -61,17 +69,19 @@ def main(argv: list[str] | None = None) -> int:
         if config.dataset not in (None, data_config.dataset):
             data_config = DataConfig(dataset=config.dataset, tokenizer=data_config.tokenizer)
         data_config = dataclasses.replace(data_config, **parser.values(DataConfig, parser.given(argv)))
-        data = open_windows(data_config, config.part, loaded.tokenizer, loaded.config.seq_len, loaded.seed)
+        window_seed = loaded.seed if config.window_seed is None else config.window_seed
+        data = open_windows(data_config, config.part, loaded.tokenizer, loaded.config.seq_len, window_seed)
         batch_size = min(config.batch_size, data.num_windows)
         if batch_size % batch_shards(loaded.mesh):
             raise ValueError(f"--batch-size {batch_size} is not divisible by mesh data x fsdp = "
                              f"{batch_shards(loaded.mesh)}")
+        batch_range(data.num_windows, batch_size, config.first_batch, config.num_batches)  # --first-batch fits
     except (ValueError, FileNotFoundError, PermissionError) as error:
         return fail(error)
     result = evaluate(loaded.model, data, loaded.tokenizer, batch_size=batch_size,
-                      num_batches=config.num_batches, mesh=loaded.mesh)
+                      num_batches=config.num_batches, first_batch=config.first_batch, mesh=loaded.mesh)
     print(json.dumps({**result.to_dict(), "step": loaded.step, "dataset": data_config.dataset,
-                      "split": config.part}), flush=True)
+                      "split": config.part, "window_seed": window_seed}), flush=True)
     return 0
 
 

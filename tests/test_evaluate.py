@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nash_mhc.data import ByteTokenizer, HFTokenizer, count_bytes
+from nash_mhc.data import ByteTokenizer, HFTokenizer, PackedDataset, count_bytes
 from nash_mhc.evaluate import main as evaluate_main
+from nash_mhc.training.evaluation import batch_range
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 80
@@ -101,7 +102,25 @@ def test_generate_continues_def_with_python_looking_text(run):
     assert any(ch.isalpha() for ch in continuation), repr(text)
 
 
+@pytest.mark.slow
+def test_first_batch_reads_the_next_batches_and_window_seed_fixes_their_order(capsys, run):
+    whole = evaluate(capsys, run[0], "--num-batches", "4")
+    first = evaluate(capsys, run[0], "--num-batches", "2")
+    rest = evaluate(capsys, run[0], "--num-batches", "2", "--first-batch", "2")
+    assert (first["first_batch"], rest["first_batch"], rest["batches"]) == (0, 2, 2)
+    # batches [0, 4) are batches [0, 2) and [2, 4): token-weighted nats and bytes add up
+    assert rest["tokens"] + first["tokens"] == whole["tokens"] and rest["bytes"] + first["bytes"] == whole["bytes"]
+    nats = [r["loss"] * r["tokens"] for r in (whole, first, rest)]
+    assert math.isclose(nats[0], nats[1] + nats[2], rel_tol=1e-6)
+    assert rest["loss"] != first["loss"]  # other windows
+    assert evaluate(capsys, run[0], "--window-seed", "0")["window_seed"] == 0
+    other = evaluate(capsys, run[0], "--window-seed", "5")
+    assert other["window_seed"] == 5 and other["loss"] != evaluate(capsys, run[0], "--window-seed", "0")["loss"]
+
+
 @pytest.mark.parametrize("argv, message", [
+    (("--first-batch", "100000"), "past the held-out pass"),
+    (("--first-batch", "-1"), "--first-batch"),
     (("--checkpoint-dir", "/nonexistent/run"), "does not exist"),
     (("--batch-size", "0"), "--batch-size"),
     (("--num-batches", "-1"), "--num-batches"),
@@ -125,6 +144,24 @@ def test_evaluate_bad_input_exits_2_with_one_line(capsys, run, argv, message):
 def test_cli_errors_are_one_line_without_traceback_in_a_real_process(tmp_path):
     result = python_m("nash_mhc.generate", "--checkpoint-dir", str(tmp_path), "--prompt", "x", expect=2)
     assert result.stderr.startswith("error: no complete checkpoint") and result.stderr.count("\n") == 1
+
+
+def test_selection_and_report_batches_hold_disjoint_windows():
+    """The ablation's two held-out splits, batches [0, N_sel) and [N_sel, N_sel + N_rep) of one pass, are
+    disjoint sets of windows that together are the pass's first (N_sel + N_rep) x B windows; a range is cut at
+    the end of the pass, never wrapped into the next one, and a first batch past it is an error."""
+    data = PackedDataset(np.arange(1000 * 9, dtype=np.int32), 8, seed=3)  # 1000 windows of 9 tokens
+    batch, selection, report = 8, 16, 32
+    windows = [{int(w) for i in batch_range(data.num_windows, batch, first, count)
+                for w in data.window_indices(i, global_batch=batch)}
+               for first, count in ((0, selection), (selection, report))]
+    assert not windows[0] & windows[1]
+    assert len(windows[0]) == selection * batch and len(windows[1]) == report * batch
+    assert windows[0] | windows[1] == set(data.permutation(0)[:(selection + report) * batch].tolist())
+    assert batch_range(1000, 8, 120, 32) == range(120, 125)  # 125 batches in the pass: cut, not wrapped
+    assert batch_range(1000, 8, 0, 0) == range(0, 125)
+    with pytest.raises(ValueError, match="first batch 125 is past the held-out pass: it has 125 batches"):
+        batch_range(1000, 8, 125, 1)
 
 
 def test_bytes_are_counted_independently_of_the_tokenizer():

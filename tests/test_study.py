@@ -1,5 +1,6 @@
-"""``python -m nash_mhc.study``: the gain metric against a float64 reference, both studies end to end at a smoke
-size, a finished run is skipped, an interrupted run continues from its checkpoint, bad input exits 2."""
+"""``python -m nash_mhc.study``: the gain metric against a float64 reference and its n bound, the Sinkhorn probe,
+the power-law fit against scipy, the selection rule; the three studies end to end at a smoke size (a finished
+run is skipped, an interrupted run continues from its checkpoint); bad input exits 2 with one line."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import numpy as np
 import pytest
 
 from nash_mhc.config import ModelConfig
+from nash_mhc.study import powerlaw
 from nash_mhc.study.__main__ import main
+from nash_mhc.study.ablation import choose_learning_rate
 from nash_mhc.study.gains import composite_gains
+from nash_mhc.study.scaling_report import crossing_sentence
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG"
@@ -71,6 +75,111 @@ def test_maps_of_the_wrong_shape_are_a_type_error(shape):
         composite_gains(np.ones(shape, np.float32))
 
 
+def test_gains_of_row_stochastic_products_are_bounded_by_n():
+    """The stability report's bound: non-negative matrices whose rows sum to 1 (every Sinkhorn output) multiply
+    to such a matrix, so the forward gain is 1 and the backward gain (largest column sum) at most n, at any
+    depth, however lopsided; a product can reach the bound (every row putting its weight on one column)."""
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 4):
+        logits = rng.normal(0, 8, size=(2, 24, 5, n, n))  # spreads far beyond what 20 iterations balance
+        maps = np.exp(logits - logits.max(-1, keepdims=True))
+        maps /= maps.sum(-1, keepdims=True)
+        gains = composite_gains(maps)
+        np.testing.assert_allclose(gains["forward_max"], 1.0, rtol=1e-12)
+        assert np.all(gains["backward_max"] <= n + 1e-9) and gains["backward_max"][-1] > 1.5
+    to_first = np.zeros((1, 3, 1, 4, 4))
+    to_first[..., 0] = 1.0
+    np.testing.assert_allclose(composite_gains(to_first)["backward_max"], 4.0)
+
+
+@pytest.mark.slow  # three compiles, about 12 s: the quick loop is at its 5-minute budget
+def test_the_sinkhorn_probe_reads_the_logits_the_model_projects():
+    """The logits captured at the Sinkhorn call, projected with 20 iterations, are exactly the model's H_res (so
+    the capture takes the right values in the right order and changes nothing); 200 iterations bring the column
+    sums closer to 1, and the probe's numbers follow from those matrices."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from nash_mhc.model import LanguageModel
+    from nash_mhc.ops.sinkhorn import sinkhorn
+    from nash_mhc.study.sinkhorn_probe import column_deviation, make_probe, sinkhorn_inputs
+
+    config = ModelConfig.preset("tiny", residual="mhc", attention="full", num_layers=2, seq_len=16)
+    model = LanguageModel(config, key=jax.random.key(0))
+    model = eqx.tree_at(lambda m: m.blocks.attn_hc.alpha, model, jnp.full_like(model.blocks.attn_hc.alpha, 6.0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 259, (2, 16)))
+    forward = eqx.filter_jit(lambda m, t: m(t, return_residual_maps=True).residual_maps)
+    plain = np.asarray(forward(model, tokens))  # traced without the wrapper
+    captured: list[np.ndarray] = []
+    with sinkhorn_inputs(captured):
+        maps = np.asarray(eqx.filter_jit(lambda m, t: m(t, return_residual_maps=True).residual_maps)(model, tokens))
+        jax.effects_barrier()
+    np.testing.assert_array_equal(maps, plain)
+    assert len(captured) == 4 and captured[0].shape == (32, 4, 4)
+    projected = np.stack([np.asarray(sinkhorn(jnp.asarray(z), 20)) for z in captured])  # [S, B*T, n, n]
+    np.testing.assert_array_equal(projected, np.moveaxis(maps, 1, 0).reshape(4, 32, 4, 4))
+    out = make_probe("mhc")(model, tokens)
+    spread = np.stack(captured).max(axis=(-1, -2)) - np.stack(captured).min(axis=(-1, -2))
+    np.testing.assert_allclose(out["logit_spread_max"], spread.max(1), rtol=1e-6)
+    np.testing.assert_allclose(out["colsum_dev"], column_deviation(maps), rtol=1e-6)
+    assert max(out["colsum_dev"]) > 1e-3 and max(out["colsum_dev_200"]) < 0.5 * max(out["colsum_dev"])
+    assert out["backward_max"][-1] > out["backward_max_200"][-1] >= 1.0 - 1e-6
+
+
+# ------------------------------------------------------------------------------------------- fits and rules
+def test_power_law_fit_matches_scipy_linregress_and_recovers_exact_laws():
+    from scipy.stats import linregress
+
+    rng = np.random.default_rng(1)
+    compute = np.geomspace(1e7, 1e10, 5)
+    bpb = 9.0 * compute**-0.07 * np.exp(rng.normal(0, 0.01, 5))
+    fit = powerlaw.fit_power_law(list(compute), list(bpb))
+    ref = linregress(np.log(compute), np.log(bpb))
+    assert fit.slope == pytest.approx(-ref.slope, rel=1e-10) and fit.intercept == pytest.approx(ref.intercept)
+    assert fit.slope_se == pytest.approx(ref.stderr, rel=1e-8)
+    assert fit.intercept_se == pytest.approx(ref.intercept_stderr, rel=1e-8)
+    exact = powerlaw.fit_power_law([1e6, 1e7, 1e8], [5 * c**-0.1 for c in (1e6, 1e7, 1e8)])
+    assert exact.a == pytest.approx(5.0) and exact.slope == pytest.approx(0.1) and exact.rss < 1e-20
+    with pytest.raises(ValueError, match="at least 3 points"):
+        powerlaw.fit_power_law([1e6, 1e7], [2.0, 1.9])
+
+
+def fitted(a: float, b: float, noise: float = 1e-3) -> powerlaw.Fit:
+    compute = np.geomspace(1e7, 1e9, 5)
+    wiggle = np.exp(noise * np.array([1.0, -1.0, 0.5, -0.5, 0.0]))
+    return powerlaw.fit_power_law(list(compute), list(a * compute**-b * wiggle))
+
+
+def test_crossing_point_and_what_the_report_says_about_it():
+    base, other = fitted(8.0, 0.05), fitted(16.0, 0.07)  # a1 C^-b1 = a2 C^-b2 at C* = (a2 / a1)^(1 / (b2 - b1))
+    cross = powerlaw.crossing(base, other)
+    want = (16.0 / 8.0) ** (1 / 0.02)
+    assert cross["compute"] == pytest.approx(want, rel=0.05) and cross["ahead_of_fitted_range"]
+    low, high = cross["interval_16_84"]
+    assert low < want < high
+    text = crossing_sentence("plain+full", "mhc+nash", base, other, cross)
+    assert "cross beyond the fitted range" in text and "extrapolation" in text
+    inside = powerlaw.crossing(fitted(8.0, 0.05), fitted(8.0 * 1e8**0.02, 0.07))  # equal at C = 1e8
+    assert inside["inside_fitted_range"] and inside["compute"] == pytest.approx(1e8, rel=0.05)
+    assert "cross inside the fitted range" in crossing_sentence("a", "b", fitted(8.0, 0.05),
+                                                                fitted(8.0 * 1e8**0.02, 0.07), inside)
+    close = powerlaw.crossing(fitted(8.0, 0.05, 0.05), fitted(8.1, 0.0505, 0.05))
+    assert abs(close["slope_difference_z"]) < 2
+    assert "do not say whether the curves cross" in crossing_sentence("a", "b", fitted(8.0, 0.05, 0.05),
+                                                                      fitted(8.1, 0.0505, 0.05), close)
+    parallel = powerlaw.crossing(fitted(8.0, 0.05, 0.0), fitted(9.0, 0.05, 0.0))
+    assert parallel["compute"] is None and "parallel" in crossing_sentence(
+        "a", "b", fitted(8.0, 0.05, 0.0), fitted(9.0, 0.05, 0.0), parallel)
+
+
+def test_the_selection_rule_picks_the_lowest_finite_and_breaks_ties_low():
+    assert choose_learning_rate({1e-3: 2.0, 3e-3: 1.9, 1e-2: None}) == 3e-3
+    assert choose_learning_rate({1e-3: 1.9, 3e-3: 1.9, 1e-2: 2.5}) == 1e-3
+    assert choose_learning_rate({1e-3: float("nan"), 3e-3: 2.1}) == 3e-3
+    assert choose_learning_rate({1e-3: None, 3e-3: None}) is None
+
+
 # ---------------------------------------------------------------------------------------------- ablation
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
@@ -85,10 +194,11 @@ def one_device(monkeypatch):
 
 
 def ablation_argv(out: Path, cache: Path, *extra: str) -> list[str]:
-    return ["ablation", "--out-dir", str(out), "--model", "tiny", "--steps", "60", "--batch-size", "4",
-            "--learning-rate", "3e-3", "--warmup-steps", "2", "--seeds", "0", "--residual", "plain", "mhc",
-            "--attention", "full", "--eval-batches", "2", "--eval-batch-size", "4", "--log-interval", "1",
-            "--checkpoint-interval", "25", "--compile-cache-dir", str(cache), "--no-progress", *extra]
+    return ["ablation", "--out-dir", str(out), "--model", "tiny", "--seq-len", "64", "--steps", "40",
+            "--batch-size", "4", "--learning-rates", "1e-3", "3e-3", "--warmup-steps", "2", "--seeds", "0", "1",
+            "--residual", "plain", "mhc", "--attention", "full", "--selection-batches", "2", "--report-batches", "2",
+            "--eval-batch-size", "4", "--log-interval", "1", "--checkpoint-interval", "16",
+            "--compile-cache-dir", str(cache), "--no-progress", *extra]
 
 
 def logged_steps(run_dir: Path) -> list[int]:
@@ -98,83 +208,171 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in records if "loss" in r]
 
 
-@pytest.mark.slow
-def test_ablation_resumes_after_sigterm_finishes_the_grid_and_skips_finished_runs(tmp_path, cache_dir, one_device,
-                                                                                  capsys):
-    out, published = tmp_path / "study", tmp_path / "published"
-    argv = ablation_argv(out, cache_dir, "--report-dir", str(published))
-    first, second = out / "runs" / "plain-full" / "seed0", out / "runs" / "mhc-full" / "seed0"
-    proc = subprocess.Popen([sys.executable, "-m", "nash_mhc.study", *argv], cwd=tmp_path, stdout=subprocess.PIPE,
+def stop_during_first_run(argv: list[str], first: Path, cwd: Path) -> str:
+    """Start the study, SIGTERM it once the first run has logged a step; its output."""
+    proc = subprocess.Popen([sys.executable, "-m", "nash_mhc.study", *argv], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None and not logged_steps(first):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # to the study only: it forwards the signal to the training program
     output, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0 and "stopped by a signal after 0 of 2 runs" in output, output[-3000:]
+    assert proc.returncode == 0 and "stopped by a signal after 0" in output, output[-3000:]
+    return output
+
+
+@pytest.mark.slow
+def test_ablation_sweeps_selects_resumes_after_sigterm_and_skips_finished_runs(tmp_path, cache_dir, one_device,
+                                                                               capsys):
+    from nash_mhc.model import num_params
+
+    out, published = tmp_path / "study", tmp_path / "published"
+    argv = ablation_argv(out, cache_dir, "--report-dir", str(published))
+    first = out / "runs" / "plain+full" / "lr0.001" / "seed0"
+    stop_during_first_run(argv, first, tmp_path)
     stopped_at = logged_steps(first)[-1]
-    assert 1 <= stopped_at < 60 and logged_steps(first) == list(range(1, stopped_at + 1))
+    assert 1 <= stopped_at < 40 and logged_steps(first) == list(range(1, stopped_at + 1))
     assert f"stopping at step {stopped_at} after a signal" in (first / "train.log").read_text()
-    assert not (first / "result.json").exists() and not second.exists()  # no further run was started
+    assert not (first / "result.json").exists() and not (out / "runs" / "mhc+full").exists()
     assert not json.loads((published / "results.json").read_text())["complete"]
 
     assert main(argv) == 0
-    assert "2 of 2 runs finished" in capsys.readouterr().out
-    assert logged_steps(first) == list(range(1, 61)), "the interrupted run restarted instead of resuming"
+    assert "6 of 6 runs finished" in capsys.readouterr().out
+    assert logged_steps(first) == list(range(1, 41)), "the interrupted run restarted instead of resuming"
     assert f"resuming from step {stopped_at}" in (first / "train.log").read_text()
     results = json.loads((published / "results.json").read_text())
-    assert results["complete"] and results["runs_finished"] == 2
+    assert results["complete"] and results["runs_finished"] == 6 and results["baseline"] == "plain+full"
+    assert results["splits"] == {"selection_batches": [0, 2], "report_batches": [2, 4]}
+    configs = {v: ModelConfig.preset("tiny", seq_len=64, residual=v.split("+")[0], attention="full")
+               for v in ("plain+full", "mhc+full")}
+    s_v = int(40 * configs["plain+full"].flops_per_token() / configs["mhc+full"].flops_per_token())
+    assert 1 <= s_v < 40
     for run in results["runs"]:
-        config = ModelConfig.preset("tiny", residual=run["residual"], attention="full")
+        config = configs[run["variant"]]
         assert run["status"] == "finished" and 0 < run["bits_per_byte"] < 12
-        assert run["params"] == config.num_params() and run["flops_per_token"] == config.flops_per_token()
-        assert run["tokens_trained"] == 60 * 4 * 64 and run["eval_tokens"] == 2 * 4 * 64
-        assert [step for step, _ in run["curve"]] == list(range(1, 61))
-    plain, mhc = results["runs"]
-    assert plain["eval_bytes"] == mhc["eval_bytes"]  # the same held-out batches
-    assert plain["sessions"] == 3 and mhc["sessions"] == 2  # train, train again (resumed), evaluate
-    cells = {(c["residual"], c["attention"]): c for c in results["cells"]}
-    assert cells[("mhc", "full")]["delta_bits_per_byte"][0] == pytest.approx(
-        mhc["bits_per_byte"] - plain["bits_per_byte"])
+        assert run["params"] == num_params(config) and run["flops_per_token"] == config.flops_per_token()
+        assert run["tokens_trained"] == 40 * 4 * 64
+        selection, report = run["evaluations"]["selection"], run["evaluations"]["report"]
+        assert (selection["first_batch"], report["first_batch"], report["tokens"]) == (0, 2, 2 * 4 * 64)
+        assert selection["window_seed"] == report["window_seed"] == 0 and selection["step"] == 40
+        if run["variant"] == "mhc+full":  # two training sessions: to s_v (evaluated), then on to S
+            assert run["equal_flops_step"] == s_v and run["evaluations"]["report_flops"]["step"] == s_v
+            assert run["equal_flops_bits_per_byte"] == run["evaluations"]["report_flops"]["bits_per_byte"]
+            assert [s["program"] for s in sessions(out, run)] == ["train", "evaluate", "train", "evaluate",
+                                                                  "evaluate"]
+            assert set(run["travel"]) >= {"hc_alpha", "hc_bias", "hc_projection"}
+        else:
+            assert run["equal_flops_step"] == 40 and run["equal_flops_bits_per_byte"] == run["bits_per_byte"]
+            assert run["travel"] == {}
+    by_key = {(r["variant"], r["learning_rate"], r["seed"]): r for r in results["runs"]}
+    for variant, row in results["variants"].items():
+        sweep = {s["learning_rate"]: s["selection_bits_per_byte"] for s in row["learning_rates"]}
+        assert sorted(sweep) == [1e-3, 3e-3] and row["chosen_learning_rate"] == min(sweep, key=sweep.get)
+        assert row["seeds"] == [0, 1] and (variant, row["chosen_learning_rate"], 1) in by_key
+    base = {s: by_key[("plain+full", results["variants"]["plain+full"]["chosen_learning_rate"], s)] for s in (0, 1)}
+    mhc = results["variants"]["mhc+full"]
+    mine = [by_key[("mhc+full", mhc["chosen_learning_rate"], s)] for s in (0, 1)]
+    assert mhc["equal_tokens"]["delta"][0] == pytest.approx(np.mean(
+        [r["bits_per_byte"] - base[r["seed"]]["bits_per_byte"] for r in mine]))
+    assert mhc["equal_flops"]["delta"][0] == pytest.approx(np.mean(
+        [r["equal_flops_bits_per_byte"] - base[r["seed"]]["bits_per_byte"] for r in mine]))
     table = (published / "results.md").read_text()
-    assert "python -m nash_mhc.study ablation" in table and "| mhc | full | 1 |" in table
-    figure = published / "loss_curves.png"
+    assert "python -m nash_mhc.study ablation" in table
+    assert table.index("Selection rule") < table.index("## Results") < table.index("| mhc / full |")
+    assert "read mid-schedule, before its learning rate has decayed" in table and "an **estimate**" in table
+    figure = published / "ablation.png"
     assert figure.read_bytes()[:4] == PNG and figure.stat().st_size > 20_000
     assert not (out / "results.md").exists()  # the runs stay apart from the published report
 
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.name in ("result.json", "sessions.jsonl")}
-    assert len(stamps) == 4
-    assert main(argv) == 0  # both runs finished: nothing is trained or evaluated
+    assert len(stamps) == 12
+    assert main(argv) == 0  # every run finished: nothing is trained or evaluated
     assert stamps == {p: p.stat().st_mtime_ns for p in stamps}
 
-    assert main([*argv, "--learning-rate", "1e-3"]) == 2
-    assert "holds a study with other settings (learning_rate: 0.003 there vs 0.001 now)" in capsys.readouterr().err
+    assert main([*argv, "--steps", "41"]) == 2
+    assert "holds a study with other settings (steps: 40 there vs 41 now)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--steps", "0"], "--steps must be >= 1"),
-    (["--seeds", "1", "1"], "--seeds must be distinct"),
-    (["--model", "huge"], "unknown --model 'huge'"),
-    (["--train-args", "--dtype 'bfloat16"], "cannot parse --train-args"),
+def sessions(out: Path, run: dict) -> list[dict]:
+    path = out / "runs" / run["variant"] / f"lr{run['learning_rate']:g}" / f"seed{run['seed']}" / "sessions.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize(("study", "argv", "message"), [
+    ("ablation", ["--steps", "0"], "--steps must be >= 1"),
+    ("ablation", ["--seeds", "1", "1"], "--seeds must be distinct"),
+    ("ablation", ["--model", "huge"], "unknown --model 'huge'"),
+    ("ablation", ["--train-args", "--dtype 'bfloat16"], "cannot parse --train-args"),
+    ("ablation", ["--learning-rates", "0"], "--learning-rates positive"),
+    ("ablation", ["--train-args", "--no-such-flag 3"], "the training program would reject the runs' flags"),
+    ("scaling", ["--sizes", "32:2:2", "48:2"], "--sizes needs at least 3 sizes"),
+    ("scaling", ["--sizes", "32:2:2", "48:2:2", "50:2:3"], "--sizes 50:2:3: ModelConfig"),
+    ("scaling", ["--sizes", "32:2:2", "48:2:2", "x:2:2"], "width:layers:heads"),
+    ("scaling", ["--variants", "mhc+dense"], "unknown variant 'mhc+dense'"),
+    ("scaling", ["--tokens-per-param", "0"], "--tokens-per-param"),
+    ("stability", ["--depths", "0"], "--depths must be >= 1"),
+    ("stability", ["--coefficient-lr-scale", "0"], "--coefficient-lr-scale > 0"),
 ])
-def test_bad_ablation_flags_exit_2_with_one_line(tmp_path, capsys, argv, message):
-    assert main(["ablation", "--out-dir", str(tmp_path / "out"), *argv]) == 2
+def test_bad_study_flags_exit_2_with_one_line(tmp_path, capsys, study, argv, message):
+    assert main([study, "--out-dir", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out" / "runs").exists()
 
 
+# ----------------------------------------------------------------------------------------------- scaling
+@pytest.mark.slow
+def test_scaling_fits_a_power_law_resumes_after_sigterm_and_skips_finished_runs(tmp_path, cache_dir, one_device,
+                                                                              capsys):
+    from nash_mhc.model import param_counts
+
+    out = tmp_path / "scaling"
+    argv = ["scaling", "--out-dir", str(out), "--seq-len", "64", "--sizes", "16:1:2", "24:1:2", "32:1:2",
+            "--variants", "plain+full", "--tokens-per-param", "0.5", "--batch-size", "2", "--eval-batches", "2",
+            "--eval-batch-size", "2", "--log-interval", "1", "--checkpoint-interval", "10",
+            "--compile-cache-dir", str(cache_dir), "--no-progress"]
+    first = out / "runs" / "plain+full" / "d16-L1-h2"
+    stop_during_first_run(argv, first, tmp_path)
+    stopped_at = logged_steps(first)[-1]
+    assert main(argv) == 0
+    assert "3 of 3 runs finished" in capsys.readouterr().out
+    assert f"resuming from step {stopped_at}" in (first / "train.log").read_text()
+    results = json.loads((out / "results.json").read_text())
+    assert results["complete"]
+    for run in results["runs"]:
+        config = ModelConfig.preset("tiny", seq_len=64, residual="plain", attention="full", d_model=run["d_model"],
+                                    num_layers=run["num_layers"], num_heads=run["num_heads"])
+        counts = param_counts(config)
+        assert run["non_embedding_params"] == sum(counts.values()) - counts["embedding"]
+        assert run["steps"] == int(np.ceil(0.5 * run["non_embedding_params"] / (2 * 64)))
+        assert run["tokens"] == run["steps"] * 2 * 64 and run["compute"] == config.flops_per_token() * run["tokens"]
+        assert logged_steps(out / "runs" / "plain+full" / f"d{run['d_model']}-L1-h2") == list(
+            range(1, run["steps"] + 1))
+        assert run["evaluation"]["tokens"] == 2 * 2 * 64 and 0 < run["bits_per_byte"] < 12
+    fit = results["fits"]["plain+full"]
+    runs = results["runs"]
+    want = powerlaw.fit_power_law([r["compute"] for r in runs], [r["bits_per_byte"] for r in runs])
+    assert fit["b"] == pytest.approx(want.slope) and fit["points"] == 3 and results["crossings"] == {}
+    text = (out / "report.md").read_text()
+    assert "python -m nash_mhc.study scaling" in text and "| plain / full | 3 |" in text
+    assert "non-embedding parameter" in text and "an **estimate**" in text
+    assert (out / "scaling.png").read_bytes()[:4] == PNG
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("result.json")}
+    assert main(argv) == 0 and stamps == {p: p.stat().st_mtime_ns for p in stamps}
+
+
 # --------------------------------------------------------------------------------------------- stability
 @pytest.mark.slow
-def test_stability_runs_end_to_end_and_skips_finished_runs(tmp_path, cache_dir, capsys):
+def test_stability_runs_every_mode_end_to_end_and_skips_finished_runs(tmp_path, cache_dir, capsys):
     out = tmp_path / "stability"
     argv = ["stability", "--out-dir", str(out), "--depths", "3", "--learning-rates", "1e-2", "--residual", "plain",
-            "hc", "--seeds", "0", "--steps", "6", "--warmup-steps", "1", "--probes", "3", "--probe-batch", "2",
-            "--compile-cache-dir", str(cache_dir), "--no-progress"]
+            "hc", "mhc", "mhc-lite", "--seeds", "0", "--steps", "6", "--warmup-steps", "1", "--probes", "3",
+            "--probe-batch", "2", "--compile-cache-dir", str(cache_dir), "--no-progress"]
     assert main(argv) == 0
-    assert "2 of 2 runs finished" in capsys.readouterr().out
+    assert "4 of 4 runs finished" in capsys.readouterr().out
     setting = out / "runs" / "L3-lr0.01"
-    runs = {mode: json.loads((setting / f"{mode}-seed0.json").read_text()) for mode in ("plain", "hc")}
+    runs = {mode: json.loads((setting / f"{mode}-seed0.json").read_text()) for mode in ("plain", "hc", "mhc",
+                                                                                          "mhc-lite")}
     for run in runs.values():
         assert run["status"] == "finished" and len(run["loss"]) == len(run["grad_norm"]) == 6
         assert sorted(map(int, run["probes"])) == [0, 3, 6]
@@ -184,11 +382,20 @@ def test_stability_runs_end_to_end_and_skips_finished_runs(tmp_path, cache_dir, 
     hc_final = runs["hc"]["probes"]["6"]
     assert max(hc_final["forward_max"]) > 1.01  # unconstrained H_res has moved away from the identity
     assert all(m >= a for m, a in zip(hc_final["forward_max"], hc_final["forward_mean"], strict=True))
+    mhc_final = runs["mhc"]["probes"]["6"]
+    assert all(s >= m > 0 for s, m in zip(mhc_final["logit_spread_max"], mhc_final["logit_spread_mean"],
+                                           strict=True))
+    assert max(mhc_final["colsum_dev_200"]) <= max(mhc_final["colsum_dev"])
+    assert max(mhc_final["backward_max"]) <= 4.0 and max(runs["mhc-lite"]["probes"]["6"]["colsum_dev"]) < 1e-5
     summary = {r["residual"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
     assert summary["hc"]["forward_final"] == hc_final["forward_max"][-1]
+    assert summary["hc"]["backward_mean_final"] == hc_final["backward_mean"][-1]
+    assert summary["mhc"]["colsum_dev_200_final"] == max(mhc_final["colsum_dev_200"])
     assert summary["hc"]["final_loss"] == np.mean(runs["hc"]["loss"][-1:])  # the last 10 % of 6 steps: 1 step
     report_md = (out / "report.md").read_text()
     assert "python -m nash_mhc.study stability" in report_md and "- **hc**: 0 of 1 runs diverged" in report_md
+    assert "the backward gain of mhc is at most n = 4" in report_md and "arXiv 2512.24880" in report_md
+    assert "col-sum dev, 200 it." in report_md and "mean over tokens" in report_md
     for figure in ("gains_depth.png", "curves.png", "sweep.png"):
         assert (out / figure).read_bytes()[:4] == PNG and (out / figure).stat().st_size > 20_000
 

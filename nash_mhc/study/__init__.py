@@ -1,11 +1,17 @@
-"""Studies that produce the project's published evidence: ``python -m nash_mhc.study {ablation,stability}``.
+"""Studies that produce the project's published evidence: ``python -m nash_mhc.study {ablation,scaling,stability}``.
 
-- :mod:`nash_mhc.study.ablation`: a grid of model variants (residual x attention) trained for the same tokens
-  on the same data and seeds through ``python -m nash_mhc.train``, evaluated on held-out text through
-  ``python -m nash_mhc.evaluate``; results.json, a markdown table and a PNG of loss curves.
-- :mod:`nash_mhc.study.stability`: deep, narrow models at high learning rates, trained in-process on the
-  library API, with the forward/backward gains of the composite residual mapping over depth
-  (:mod:`nash_mhc.study.gains`), grad-norm and loss curves; report.md, PNGs and results.json.
+- :mod:`nash_mhc.study.ablation` (orchestration) and :mod:`~nash_mhc.study.ablation_report` (outputs): every
+  variant (residual x attention, :mod:`~nash_mhc.study.variants`) at its own learning rate, chosen on a held-out
+  selection split; bits per byte on a disjoint report split at equal tokens and at equal FLOPs, paired by seed.
+- :mod:`nash_mhc.study.scaling` and :mod:`~nash_mhc.study.scaling_report`: a ladder of model sizes per variant at
+  a fixed tokens-per-parameter ratio, bits per byte against training FLOPs, power-law fits
+  (:mod:`~nash_mhc.study.powerlaw`).
+- :mod:`nash_mhc.study.stability` (+ ``stability_runs``, ``stability_report``): deep, narrow models over learning
+  rates, trained in-process on the library API, with the gains of the composite residual mapping
+  (:mod:`~nash_mhc.study.gains`) and mHC's Sinkhorn inputs and outputs (:mod:`~nash_mhc.study.sinkhorn_probe`).
 
-Both resume: a finished run is never re-run, an interrupted one continues where it stopped.
+The ablation and scaling studies drive ``python -m nash_mhc.train`` / ``nash_mhc.evaluate`` as child processes
+(:mod:`~nash_mhc.study.child_runs`, :mod:`~nash_mhc.study.runner`). Every study resumes: a finished run is never
+re-run, an interrupted one continues where it stopped. Reports end with the full-size command for a TPU and its
+cost estimate (:mod:`~nash_mhc.study.tpu_estimate`).
 """

@@ -9,8 +9,8 @@ import numpy as np
 
 from nash_mhc.study.runner import StudyError
 
-RESIDUAL_COLORS = {"plain": "tab:gray", "hc": "tab:red", "mhc": "tab:blue"}
-ATTENTION_STYLES = {"full": "-", "nash": "--", "convex": ":"}
+RESIDUAL_COLORS = {"plain": "tab:gray", "hc": "tab:red", "mhc": "tab:blue", "mhc-lite": "tab:green"}
+ATTENTION_STYLES = {"full": "-", "nash": "--", "gate": "-.", "convex": ":"}
 
 
 def pyplot() -> Any:
@@ -24,49 +24,69 @@ def pyplot() -> Any:
     return plt
 
 
-def seed_band(curves: list[list[list[float]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(steps, mean, min, max) over the seeds' ``[[step, value], ...]`` curves, at the steps all of them logged."""
-    common = sorted(set.intersection(*(set(int(s) for s, _ in c) for c in curves))) if curves else []
-    if not common:
-        return np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0)
-    values = np.array([[dict((int(s), v) for s, v in c)[step] for step in common] for c in curves], float)
-    return np.asarray(common), values.mean(0), values.min(0), values.max(0)
-
-
-def ablation_figure(rows: list[dict[str, Any]], results: list[dict[str, Any]], path: Path) -> None:
-    """Training loss over steps per cell (mean over seeds, min-max band), the same zoomed into the second half
-    of training, and each cell's held-out bits per byte minus the first cell's, paired by seed (mean ± std)."""
+def ablation_figure(rows: list[dict[str, Any]], learning_rates: list[float], baseline: str, path: Path) -> None:
+    """Selection-split bits per byte against the learning rate per variant (the sweep; the chosen rate circled),
+    and each variant's bits per byte minus the baseline's, paired by seed (mean ± std), at equal tokens and at
+    equal FLOPs."""
     plt = pyplot()
-    fig, (whole, zoom, bars) = plt.subplots(1, 3, figsize=(17, 4.8), width_ratios=(1, 1, 0.8))
+    fig, (sweep, tokens, flops) = plt.subplots(1, 3, figsize=(18, 5.2), width_ratios=(1.1, 1, 1))
     for row in rows:
-        curves = [r["curve"] for r in results if (r["residual"], r["attention"]) == (row["residual"],
-                                                                                    row["attention"]) and r["curve"]]
-        steps, mean, low, high = seed_band(curves)
-        if not len(steps):
-            continue
-        style = dict(color=RESIDUAL_COLORS[row["residual"]], linestyle=ATTENTION_STYLES[row["attention"]],
-                     linewidth=1.2)
-        label = f"{row['residual']} / {row['attention_label']}"
-        half = steps >= steps[-1] / 2
-        for ax, keep in ((whole, slice(None)), (zoom, half)):
-            ax.plot(steps[keep], mean[keep], label=label, **style)
-            ax.fill_between(steps[keep], low[keep], high[keep], color=style["color"], alpha=0.12, linewidth=0)
-    whole.set(xlabel="step", ylabel="training loss (nats/token)", title="training loss (mean over seeds)")
-    zoom.set(xlabel="step", ylabel="training loss (nats/token)", title="second half of training")
-    zoom.legend(fontsize=7)
-    names = [f"{r['residual']}\n{r['attention_label']}" for r in rows]
-    means = [r["delta_bits_per_byte"][0] for r in rows]
-    stds = [0.0 if np.isnan(r["delta_bits_per_byte"][1]) else r["delta_bits_per_byte"][1] for r in rows]
-    for x, (row, mean, std) in enumerate(zip(rows, means, stds, strict=True)):
-        bars.errorbar([x], [mean], yerr=[std], color=RESIDUAL_COLORS[row["residual"]], marker="o", capsize=4,
-                      linestyle="none")
-    bars.axhline(0.0, color="grey", linewidth=0.8)
-    bars.set_xticks(range(len(rows)), names, fontsize=7, rotation=90)
-    baseline = rows[0]["baseline"] if rows else "the first cell"
-    bars.set(ylabel=f"held-out bits/byte minus {baseline}'s", title="held-out bits/byte vs the first cell\n"
-             "(paired by seed: mean ± std of the differences)")
-    for ax in (whole, zoom, bars):
+        residual, attention = row["variant"].split("+")
+        style = dict(color=RESIDUAL_COLORS.get(residual, "tab:green"), linestyle=ATTENTION_STYLES.get(attention, "-"))
+        points = sorted((s["learning_rate"], s["selection_bits_per_byte"]) for s in row["learning_rates"]
+                        if s["selection_bits_per_byte"] is not None)
+        if points:
+            sweep.plot(*zip(*points, strict=True), marker="o", markersize=3, label=row["label"], **style)
+        chosen = dict(points).get(row["chosen_learning_rate"])
+        if chosen is not None:
+            sweep.plot([row["chosen_learning_rate"]], [chosen], marker="o", markersize=9, fillstyle="none",
+                       color=style["color"])
+    sweep.set(xscale="log", xlabel="peak learning rate", ylabel="selection-split bits/byte",
+              title="learning-rate sweep (first seed; circle: chosen)")
+    sweep.legend(fontsize=6, ncol=2)
+    names = [r["label"].replace(" / ", "\n") for r in rows]
+    for ax, key, title in ((tokens, "equal_tokens", "equal tokens (step S)"),
+                           (flops, "equal_flops", "equal FLOPs (step s_v, mid-schedule)")):
+        for x, row in enumerate(rows):
+            mean, std = row[key]["delta"]
+            if not np.isnan(mean):
+                ax.errorbar([x], [mean], yerr=[0.0 if np.isnan(std) else std], marker="o", capsize=4,
+                            linestyle="none", color=RESIDUAL_COLORS.get(row["variant"].split("+")[0], "tab:green"))
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(rows)), names, fontsize=6, rotation=90)
+        ax.set(ylabel=f"report-split bits/byte minus {baseline}'s", title=f"{title}\npaired by seed: mean ± std")
+    for ax in (sweep, tokens, flops):
         ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def scaling_figure(results: list[dict[str, Any]], fits: dict[str, Any], variants: list[str], path: Path) -> None:
+    """Held-out bits per byte against training FLOPs (log-log): each run a point, each variant's fitted power law
+    solid over its fitted range and dashed out to 10x beyond it."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5.2))
+    colors = plt.get_cmap("tab10")
+    for i, variant in enumerate(variants):
+        mine = sorted((r["compute"], r["bits_per_byte"]) for r in results
+                      if r["variant"] == variant and r["status"] == "finished" and r["bits_per_byte"])
+        if mine:
+            ax.plot(*zip(*mine, strict=True), "o", color=colors(i), label=variant)
+        fit = fits.get(variant)
+        if fit is not None:
+            low, high = fit.compute_range
+            inside = np.geomspace(low, high, 50)
+            beyond = np.geomspace(high, 10 * high, 20)
+            ax.plot(inside, fit.predict(inside), color=colors(i),
+                    label=f"{variant}: {fit.a:.3g} C^-{fit.slope:.3f}")
+            ax.plot(beyond, fit.predict(beyond), color=colors(i), linestyle="--", linewidth=0.9)
+    ax.set(xscale="log", yscale="log", xlabel="training FLOPs C (FLOPs/token x tokens)",
+           ylabel="held-out bits per byte", title="scaling: fits solid, extrapolation dashed")
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # plain numbers within a decade
+        axis(plt.FormatStrFormatter("%.2f"))
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -159,7 +179,7 @@ def stability_sweep_figure(rows: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     lrs = sorted({r["learning_rate"] for r in rows})
     shades = dict(zip(lrs, np.linspace(0.45, 0.95, len(lrs)) if len(lrs) > 1 else [0.8], strict=True))
-    styles = {"plain": ":", "hc": "-", "mhc": "--"}
+    styles = {"plain": ":", "hc": "-", "mhc": "--", "mhc-lite": "-."}
     for (residual, lr) in dict.fromkeys((r["residual"], r["learning_rate"]) for r in rows):
         mine = sorted((r for r in rows if (r["residual"], r["learning_rate"]) == (residual, lr) and r["seeds"]),
                       key=lambda r: r["depth"])

@@ -12,8 +12,8 @@ import numpy as np
 
 from nash_mhc.config import ModelConfig
 from nash_mhc.model import num_params
-from nash_mhc.study.gains import composite_gains
 from nash_mhc.study.runner import ChildRunner
+from nash_mhc.study.sinkhorn_probe import make_probe
 from nash_mhc.study.variants import ATTENTIONS
 
 
@@ -29,6 +29,7 @@ class Settings:
     warmup_steps: int
     weight_decay: float
     grad_clip: float
+    coefficient_lr_scale: float
     dataset: str
     probes: int
     probe_batch: int
@@ -61,7 +62,6 @@ def model_config(settings: Settings, run: Run, vocab_size: int) -> ModelConfig:
 
 def train_run(settings: Settings, run: Run, runner: ChildRunner) -> dict[str, Any] | None:
     """Train one run, probing the gains; its record, or None when a signal cut it short."""
-    import equinox as eqx
     import jax
     import jax.numpy as jnp
 
@@ -76,10 +76,11 @@ def train_run(settings: Settings, run: Run, runner: ChildRunner) -> dict[str, An
     config = model_config(settings, run, tokenizer.vocab_size)
     train_config = TrainConfig(batch_size=settings.batch_size, learning_rate=run.learning_rate,
                                warmup_steps=settings.warmup_steps, total_steps=settings.steps,
-                               weight_decay=settings.weight_decay, grad_clip=settings.grad_clip, seed=run.seed)
+                               weight_decay=settings.weight_decay, grad_clip=settings.grad_clip, seed=run.seed,
+                               coefficient_lr_scale=settings.coefficient_lr_scale)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     state = init_train_state(config, train_config, mesh, key=jax.random.key(run.seed))
-    residual_maps = eqx.filter_jit(lambda model, tokens: model(tokens, return_residual_maps=True).residual_maps)
+    probe = make_probe(run.residual)
 
     probes: dict[int, dict[str, list[float]]] = {}
     losses: list[float] = []
@@ -93,8 +94,7 @@ def train_run(settings: Settings, run: Run, runner: ChildRunner) -> dict[str, An
         if runner.stopped:
             return None
         if step in probe_at or in_a_row >= settings.max_nonfinite_steps or step == settings.steps:
-            maps = np.asarray(jax.device_get(residual_maps(state.model, probe_tokens)))
-            probes[step] = {k: v.tolist() for k, v in composite_gains(maps).items()}
+            probes[step] = probe(state.model, probe_tokens)
         if step == settings.steps or in_a_row >= settings.max_nonfinite_steps:
             break
         tick = time.perf_counter()

@@ -23,7 +23,8 @@ from nash_mhc.training.step import eval_step
 @dataclasses.dataclass(frozen=True)
 class EvalResult:
     """loss: mean cross-entropy per predicted token (nats); perplexity = exp(loss); bits_per_byte = total nats /
-    ln 2 / bytes; aux_loss: mean aggregation-entropy term; tokens and bytes predicted, batches read."""
+    ln 2 / bytes; aux_loss: mean aggregation-entropy term; tokens and bytes predicted, batches read (from batch
+    ``first_batch`` on)."""
 
     loss: float
     perplexity: float
@@ -32,23 +33,39 @@ class EvalResult:
     tokens: int
     bytes: int
     batches: int
+    first_batch: int = 0
 
     def to_dict(self) -> dict[str, float | int]:
         return dataclasses.asdict(self)
 
 
+def batch_range(num_windows: int, batch_size: int, first_batch: int, num_batches: int | None) -> range:
+    """The batch indices an evaluation reads: ``num_batches`` (0/None: all that are left) from ``first_batch``,
+    within one pass over the ``num_windows`` windows (a pass has ``max(1, num_windows // batch_size)`` batches;
+    batch i holds windows ``perm[i*B:(i+1)*B]``), so batches of disjoint ranges hold disjoint windows. A
+    ``first_batch`` past the pass is a one-line ``ValueError``."""
+    if batch_size < 1 or (num_batches or 0) < 0 or first_batch < 0:
+        raise ValueError(f"batch size must be >= 1, number of batches and first batch >= 0, got {batch_size}, "
+                         f"{num_batches} and {first_batch}")
+    in_pass = max(1, num_windows // batch_size)
+    if first_batch >= in_pass:
+        raise ValueError(f"first batch {first_batch} is past the held-out pass: it has {in_pass} batches of "
+                         f"{batch_size} sequences ({num_windows} windows)")
+    left = in_pass - first_batch
+    return range(first_batch, first_batch + (min(left, num_batches) if num_batches else left))
+
+
 def evaluate(model: LanguageModel, dataset: PackedDataset, tokenizer: Tokenizer, *, batch_size: int,
-             num_batches: int | None, mesh: Mesh | None = None) -> EvalResult:
-    """``model`` on the first ``num_batches`` batches of ``dataset`` (its fixed, seed-determined windows; never
-    more than one pass, 0/None: the whole pass). Each process reads its own rows; ``mesh`` as in
-    :func:`~nash_mhc.training.step.eval_step`. Sums are accumulated on the host in float64."""
-    if batch_size < 1 or (num_batches or 0) < 0:
-        raise ValueError(f"batch size must be >= 1 and number of batches >= 0, got {batch_size} and {num_batches}")
-    count = max(1, dataset.num_windows // batch_size)
-    count = min(count, num_batches) if num_batches else count
+             num_batches: int | None, first_batch: int = 0, mesh: Mesh | None = None) -> EvalResult:
+    """``model`` on ``num_batches`` batches of ``dataset`` from batch ``first_batch`` on (its fixed,
+    seed-determined windows; never past one pass, 0/None: the rest of the pass; :func:`batch_range`). Each
+    process reads its own rows; ``mesh`` as in :func:`~nash_mhc.training.step.eval_step`. Sums are
+    accumulated on the host in float64."""
+    batches = batch_range(dataset.num_windows, batch_size, first_batch, num_batches)
+    count = len(batches)
     nats = aux = 0.0
     tokens = num_bytes = 0
-    for i in range(count):
+    for i in batches:
         arrays = dataset.arrays_at(i, global_batch=batch_size, process_index=jax.process_index(),
                                    process_count=jax.process_count())
         metrics = jax.device_get(eval_step(model, Batch(**arrays), mesh=mesh))
@@ -60,4 +77,4 @@ def evaluate(model: LanguageModel, dataset: PackedDataset, tokenizer: Tokenizer,
     loss = nats / max(tokens, 1)
     return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)),
                       bits_per_byte=nats / math.log(2) / max(num_bytes, 1), aux_loss=aux, tokens=tokens,
-                      bytes=num_bytes, batches=count)
+                      bytes=num_bytes, batches=count, first_batch=first_batch)
