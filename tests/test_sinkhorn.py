@@ -1,9 +1,11 @@
-"""Properties of the log-domain Sinkhorn projection."""
+"""Properties of the log-domain Sinkhorn projection, and of mHC-lite's exact doubly-stochastic H_res."""
 
 from __future__ import annotations
 
 import functools
+import math
 
+import equinox as eqx
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
@@ -74,3 +76,33 @@ def test_output_is_float32_and_rejects_non_square():
         assert "logits" in str(error)
     else:
         raise AssertionError("a non-square input must be rejected")
+
+
+@functools.cache
+def lite_coefficients(n: int):
+    """jit(mhc-lite connection's coefficients(x)) of a fresh n-stream connection, its b_perm and α replaceable."""
+    from nash_mhc.layers.hyperconnection import HyperConnection
+
+    hc = HyperConnection("mhc-lite", n, 8, key=jax.random.PRNGKey(n))
+
+    def coefficients(x, b_perm, alpha):
+        return eqx.tree_at(lambda h: (h.b_perm, h.alpha), hc, (b_perm, alpha)).coefficients(x)
+    return jax.jit(coefficients)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 5).flatmap(lambda n: st.tuples(
+    st.just(n),
+    hnp.arrays(np.float32, (math.factorial(n),), elements=st.floats(-1e4, 1e4, width=32)),
+    hnp.arrays(np.float32, (3,), elements=st.floats(-1e3, 1e3, width=32)),
+    st.floats(1e-3, 1e3), st.integers(0, 2**31 - 1))))
+def test_mhc_lite_residual_matrix_is_doubly_stochastic_for_logits_of_any_magnitude(case):
+    """mHC-lite's H_res = Σ_k softmax(α₂·a + b_perm)_k P_k: rows and columns sum to 1 within 1e-6 and no entry is
+    negative, whatever the permutation logits (|b_perm| up to 1e4, |α| up to 1e3, inputs of any scale)."""
+    n, b_perm, alpha, scale, seed = case
+    x = scale * np.random.default_rng(seed).standard_normal((5, n, 8)).astype(np.float32)
+    _, _, h_res = lite_coefficients(n)(jnp.asarray(x), jnp.asarray(b_perm), jnp.asarray(alpha))
+    h_res = np.asarray(h_res, np.float64)
+    assert np.all(np.isfinite(h_res)) and np.all(h_res >= 0)
+    np.testing.assert_allclose(h_res.sum(-1), 1.0, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(h_res.sum(-2), 1.0, atol=1e-6, rtol=0)
