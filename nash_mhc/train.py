@@ -40,7 +40,7 @@ from nash_mhc.training.profiling import ProfileConfig
 from nash_mhc.training.wandb_log import WandbConfig
 
 if TYPE_CHECKING:
-    from nash_mhc.training.loop import Configs
+    from nash_mhc.training.session import Configs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +96,8 @@ def build_parser() -> SettingsParser:
 
 
 def configs(argv: list[str] | None = None, parser: SettingsParser | None = None) -> tuple[Configs, CompileCache]:
-    """(training.loop.Configs, CompileCache) from the command line; ValueError on inconsistent values."""
-    from nash_mhc.training.loop import Configs
+    """(training.session.Configs, CompileCache) from the command line; ValueError on inconsistent values."""
+    from nash_mhc.training.session import Configs
 
     parser = parser or build_parser()
     given = parser.given(argv)
@@ -160,29 +160,29 @@ def main(argv: list[str] | None = None) -> int:
         return compile_only(run_configs, options)
 
     from nash_mhc import hardware
-    from nash_mhc.training import loop, profiling, wandb_log  # Orbax, TensorBoard: after argument errors
+    from nash_mhc.training import loop, profiling, session, wandb_log  # Orbax, TensorBoard: after argument errors
     from nash_mhc.training.step import train_step
 
     try:
         hardware.initialize_distributed()
         wandb_log.check_available(wandb_config)  # the package, and a key unless offline
         cache.use()  # a local directory or a bucket (gs://...)
-        session = loop.prepare(run_configs)
+        run_session = session.prepare(run_configs)
     except (ValueError, OSError) as error:  # bad input, or a filesystem that refuses it
         return fail(error)
     try:
-        resolved = {f"{name}_config": dataclasses.asdict(c) for name, c in session.configs._asdict().items()}
+        resolved = {f"{name}_config": dataclasses.asdict(c) for name, c in run_session.configs._asdict().items()}
         sink = wandb_log.start(wandb_config, run_configs.run.checkpoint_dir, resolved)
     except Exception as error:  # noqa: BLE001 - W&B could not start the run (network, permissions)
-        session.logger.close()
-        session.checkpointer.close()
-        if session.lock is not None:
-            session.lock.release()
+        run_session.logger.close()
+        run_session.checkpointer.close()
+        if run_session.lock is not None:
+            run_session.lock.release()
         return fail(f"W&B: {error}")
     if sink is not None:
-        session.logger.add_sink(sink)
-    with profiling.Profiler(profile, run_configs.run.checkpoint_dir, session.start_step) as profiler:
-        return loop.train(session, profiler.wrap(train_step))
+        run_session.logger.add_sink(sink)
+    with profiling.Profiler(profile, run_configs.run.checkpoint_dir, run_session.start_step) as profiler:
+        return loop.train(run_session, profiler.wrap(train_step))
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def test_prepare_puts_config_logs_and_checkpoints_in_the_bucket(gcs):
     from nash_mhc.data import DataConfig
     from nash_mhc.sharding import MeshConfig
     from nash_mhc.training.config import RunConfig, TrainConfig
-    from nash_mhc.training.loop import Configs, prepare
+    from nash_mhc.training.session import Configs, prepare
 
     run = RunConfig(checkpoint_dir="gs://bucket/prepared", progress=False)
     session = prepare(Configs(ModelConfig.preset("tiny"), TrainConfig(batch_size=8, total_steps=4, warmup_steps=1),

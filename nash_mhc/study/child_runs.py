@@ -68,7 +68,7 @@ def travel(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def resolved_configs(command: list[str]) -> Any:
-    """The ``training.loop.Configs`` a ``python -m nash_mhc.train`` command builds (its flags parsed by the
+    """The ``training.session.Configs`` a ``python -m nash_mhc.train`` command builds (its flags parsed by the
     training program's own parser; the model's vocabulary from its tokenizer, as training sets it); a StudyError
     when the program would reject them."""
     from nash_mhc import train

@@ -1,0 +1,77 @@
+"""The training run's set-up steps (nash_mhc.training.session), each called on its own with real inputs."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from nash_mhc.config import ModelConfig
+from nash_mhc.data import DataConfig
+from nash_mhc.sharding import MeshConfig
+from nash_mhc.training import session
+from nash_mhc.training.config import RunConfig, TrainConfig
+from nash_mhc.training.resume import run_identity
+from nash_mhc.training.state import init_train_state
+
+
+def tiny_configs(directory, **run) -> session.Configs:
+    return session.Configs(ModelConfig.preset("tiny", residual="plain", attention="full"),
+                           TrainConfig(batch_size=4, total_steps=2, warmup_steps=1),
+                           DataConfig(dataset="synthetic"), MeshConfig(), RunConfig(checkpoint_dir=str(directory),
+                                                                                    progress=False, **run))
+
+
+def test_check_batch_names_what_does_not_divide():
+    session.check_batch(TrainConfig(batch_size=3), MeshConfig(data=1).make(devices=jax.devices()[:1]))
+    with pytest.raises(ValueError, match="not divisible by data\\*fsdp = 2"):
+        session.check_batch(TrainConfig(batch_size=3), MeshConfig(data=2).make(devices=jax.devices()[:2]))
+
+
+def test_open_data_takes_the_vocabulary_from_the_tokenizer(tmp_path):
+    configs = tiny_configs(tmp_path)
+    configs = configs._replace(model=configs.model.replace(vocab_size=7))
+    resolved, tokenizer, train_data, eval_data = session.open_data(configs)
+    assert resolved.model.vocab_size == tokenizer.vocab_size != 7
+    assert train_data.num_windows > 0 and eval_data.num_windows > 0
+    first = train_data.arrays_at(0, global_batch=4, process_index=0, process_count=1)["tokens"]
+    assert first.shape == (4, configs.model.seq_len + 1)
+
+
+def test_starting_state_fresh_then_from_the_directory_then_init_from(tmp_path):
+    """A fresh start in an empty directory; the directory's own checkpoint resumes; --init-from elsewhere takes the
+    weights only (step 0, not a resume)."""
+    configs, tokenizer, *_ = session.open_data(tiny_configs(tmp_path / "run"))
+    identity = run_identity(configs.data, tokenizer, configs.train)
+    mesh = configs.mesh.make()
+    start = session.starting_state(configs, identity, mesh, tmp_path / "run")
+    assert (start.step, start.resume, start.own_steps, start.notes) == (0, False, [], [])
+
+    from nash_mhc.training.checkpoint import Checkpointer
+
+    state = init_train_state(configs.model, configs.train, mesh, key=jax.random.key(5))
+    meta = {"step": 2, "model_config": configs.model.to_dict(), "train_config": configs.train.to_dict(),
+            "run": identity}
+    checkpointer = Checkpointer(tmp_path / "run")
+    checkpointer.save(2, state, meta)
+    checkpointer.wait()
+    checkpointer.close()
+    resumed = session.starting_state(configs, identity, mesh, tmp_path / "run")
+    assert (resumed.step, resumed.resume, resumed.own_steps) == (2, True, [2])
+    np.testing.assert_array_equal(resumed.state.model.embedding, state.model.embedding)
+
+    init = configs._replace(run=RunConfig(checkpoint_dir=str(tmp_path / "other"), init_from=str(tmp_path / "run")))
+    started = session.starting_state(init, identity, mesh, tmp_path / "other")
+    assert (started.step, started.resume) == (0, False)
+    np.testing.assert_array_equal(started.state.model.embedding, state.model.embedding)
+    assert int(started.state.step) == 0
+
+
+def test_write_resolved_config_records_every_setting(tmp_path):
+    configs = tiny_configs(tmp_path)
+    session.write_resolved_config(tmp_path, configs, configs.mesh.make())
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert set(written) == {"model_config", "train_config", "data_config", "mesh_config", "run_config", "mesh"}
+    assert ModelConfig.from_dict(written["model_config"]) == configs.model
