@@ -13,7 +13,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpoints import write_checkpoint
+from helpers import write_checkpoint
 
 from nash_mhc import LanguageModel, ModelConfig, TrainConfig, make_mesh
 from nash_mhc.decoding import decode_step, init_cache

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_train_cli import ROOT, SCHEDULE, environment, run_main, steps_saved
+from helpers import ROOT, cpu_env
+from test_train_cli import SCHEDULE, run_main, steps_saved
 
 BASE = ["--model", "tiny", "--batch-size", "8", "--dataset", "synthetic", "--no-progress", "--log-interval", "1",
         "--checkpoint-interval", "2", *SCHEDULE]  # test_train_cli's schedule: its compiled steps are in cache_dir
@@ -29,7 +30,7 @@ def command(*args: str, cache: Path) -> list[str]:
 
 
 def run(*args: str, cache: Path, expect: int = 0) -> str:
-    result = subprocess.run(command(*args, cache=cache), env=environment(), cwd=ROOT, capture_output=True,
+    result = subprocess.run(command(*args, cache=cache), env=cpu_env(), cwd=ROOT, capture_output=True,
                             text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == expect, f"exit {result.returncode}\n{output[-4000:]}"
@@ -85,7 +86,7 @@ def test_two_runs_on_one_directory_one_refuses_and_the_other_is_intact(tmp_path,
     directory = tmp_path / "shared"
     procs = [subprocess.Popen(command("--total-steps", "100000", "--checkpoint-interval", "1000", "--checkpoint-dir",
                                       str(directory), cache=cache),
-                              env=environment(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=cpu_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     try:
         deadline = time.time() + 240

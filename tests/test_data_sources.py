@@ -555,14 +555,15 @@ def test_training_from_the_bucket_matches_local_data_and_resumes_exactly(corpus,
 def test_two_processes_of_4_devices_train_from_the_bucket_as_one_of_8(corpus, bucket, trained, tmp_path, cache_dir):
     """Two processes, each reading its half of every batch from the bucket's shards by byte range, log the
     losses of the one-process, 8-device run on the same data (the local jsonl reference: same batches)."""
-    from test_train_cli import command, environment, free_port
+    from helpers import cpu_env
+    from test_train_cli import command, free_port
 
     port, procs = free_port(), []
     argv = ["--dataset", "gs://bucket/shards", "--tokenizer", str(corpus["tokenizer"]), "--batch-size", "8",
             "--learning-rate", "3e-3", "--warmup-steps", "1", "--total-steps", "2", "--lr-schedule-steps", "4",
             "--checkpoint-dir", str(tmp_path / "multi")]
     for index in range(2):
-        env = environment(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_COUNT="2",
+        env = cpu_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_COUNT="2",
                           JAX_PROCESS_INDEX=str(index))
         procs.append(subprocess.Popen(command(*argv, cache=cache_dir), env=env, cwd=Path(__file__).parents[1],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -22,10 +22,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from nash_mhc import launch, train
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "docs" / "tpu.md", ROOT / "docs" / "gpu.md"]
 MARKER = "<!-- runs-here -->"
 

@@ -9,11 +9,11 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import ROOT
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -26,7 +26,6 @@ from nash_mhc.training.throughput import table_peak
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="needs libtpu (pip install -e '.[tpu]')")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager

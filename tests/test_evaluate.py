@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import string
 import subprocess
 import sys
@@ -16,23 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT, cpu_env
 
 from nash_mhc.data import ByteTokenizer, HFTokenizer, PackedDataset, count_bytes
 from nash_mhc.evaluate import main as evaluate_main
 from nash_mhc.training.evaluation import batch_range
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 80
 
 
-def environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    return env
-
 
 def python_m(module: str, *args: str, expect: int = 0) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", module, *args], env=environment(), cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", module, *args], env=cpu_env(), cwd=ROOT, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == expect, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
     return result

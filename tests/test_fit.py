@@ -13,10 +13,10 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import pytest
+from helpers import ROOT
 
 from nash_mhc import ModelConfig, TrainConfig, make_mesh
 from nash_mhc import train as train_program
@@ -123,7 +123,6 @@ def test_abstract_state_and_batch_match_what_training_allocates():
 
 
 # -------------------------------------------------------------------------- python -m nash_mhc.train --compile-only
-ROOT = Path(__file__).resolve().parents[1]
 TINY_ON_V5E_2X2 = ["--model", "tiny", "--remat", "full", "--mesh-data", "1", "--mesh-fsdp", "4", "--compile-only"]
 
 

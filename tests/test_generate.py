@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpoints import write_checkpoint
+from helpers import write_checkpoint
 
 import nash_mhc
 from nash_mhc import LanguageModel, ModelConfig, TrainConfig

@@ -10,6 +10,7 @@ import sys
 
 import jax
 import pytest
+from helpers import clean_env
 
 from nash_mhc import hardware
 
@@ -17,10 +18,6 @@ from nash_mhc import hardware
 needs_no_accelerator = pytest.mark.skipif(hardware.detect_accelerator() is not None,
                                           reason="this machine has an accelerator")
 
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "TPU_")) and k != "XLA_FLAGS"}
-    return {**env, **extra}
 
 
 def run(*args: str, **env: str) -> subprocess.CompletedProcess:

@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ROOT
 
 from nash_mhc import ModelConfig
 from nash_mhc.data import ByteTokenizer, Corpus, make_datasets, masked_stream, open_source
 from nash_mhc.evaluate import main as evaluate_main
 from nash_mhc.train import main as train_main
 
-ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "examples" / "sft" / "tasks.jsonl"
 COMMON = ["--model", "tiny", "--batch-size", "8", "--no-progress", "--log-interval", "1", "--learning-rate", "3e-3",
           "--warmup-steps", "1", "--lr-schedule-steps", "8"]

@@ -5,11 +5,10 @@ generation. The kernel inherits this process's environment (CPU platform, 8 fake
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "train_tpu.ipynb"
 
 

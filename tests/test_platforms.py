@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import clean_env
 
 from nash_mhc import hardware, platforms
 
@@ -66,10 +67,6 @@ def test_native_stderr_is_captured(capfd):
     assert captured == [b"from a native library\n"]
     assert capfd.readouterr().err == ""
 
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "TPU_")) and k != "XLA_FLAGS"}
-    return {**env, **extra}
 
 
 @needs_libtpu

@@ -12,7 +12,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from checkpoints import write_checkpoint
+from helpers import write_checkpoint
 
 from nash_mhc import ModelConfig, TrainConfig, make_mesh
 from nash_mhc.data import ByteTokenizer

@@ -21,7 +21,6 @@ from nash_mhc.study.ablation import choose_learning_rate
 from nash_mhc.study.gains import composite_gains
 from nash_mhc.study.scaling_report import crossing_sentence
 
-ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG"
 
 

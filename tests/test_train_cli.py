@@ -10,7 +10,6 @@ import argparse
 import dataclasses
 import importlib
 import json
-import os
 import re
 import shutil
 import signal
@@ -27,7 +26,6 @@ from nash_mhc import train as train_module
 from nash_mhc.evaluate import main as evaluate_main
 from nash_mhc.train import main
 
-ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE = ["--lr-schedule-steps", "40", "--warmup-steps", "4", "--learning-rate", "3e-3"]
 
 
@@ -36,15 +34,10 @@ def command(*args: str, cache: Path, model: str = "tiny") -> list[str]:
             "--compile-cache-dir", str(cache), *args]
 
 
-def environment(devices: int = 1, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
-    return env
-
 
 def train(*args: str, cache: Path, devices: int = 1, model: str = "tiny", expect: int = 0,
           timeout: int = 600) -> subprocess.CompletedProcess:
-    result = subprocess.run(command(*args, cache=cache, model=model), env=environment(devices), cwd=ROOT,
+    result = subprocess.run(command(*args, cache=cache, model=model), env=cpu_env(devices), cwd=ROOT,
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == expect, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
@@ -104,7 +97,7 @@ def stop_with(signum: int, run: Path, cache: Path) -> subprocess.CompletedProces
     """Start the 40-step run, send ``signum`` once it has logged a step, and wait for it to exit."""
     proc = subprocess.Popen(command("--total-steps", "40", "--checkpoint-dir", str(run), *SCHEDULE,
                                     "--checkpoint-interval", "1000", cache=cache),
-                            env=environment(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=cpu_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and not ((run / "metrics.jsonl").exists() and losses(run)):
         time.sleep(0.05)
@@ -168,6 +161,7 @@ BLOCKED_STEP = 6
 BLOCK_INSIDE_SAVE = f"""
 import pathlib, runpy, sys, time
 import orbax.checkpoint as ocp
+from helpers import ROOT, cpu_env
 marker = pathlib.Path(sys.argv.pop(1))
 original = ocp.JsonCheckpointHandler._save_fn
 async def _save_fn(self, x, directory):
@@ -189,7 +183,7 @@ def test_kill_inside_a_save_resumes_from_the_last_complete_step_and_reproduces_t
     run, marker = tmp_path / "killed", tmp_path / "blocked"
     argv = command("--total-steps", "40", "--checkpoint-interval", "1", "--checkpoint-dir", str(run), *SCHEDULE,
                    cache=cache_dir)
-    proc = subprocess.Popen([sys.executable, "-c", BLOCK_INSIDE_SAVE, str(marker), *argv[3:]], env=environment(),
+    proc = subprocess.Popen([sys.executable, "-c", BLOCK_INSIDE_SAVE, str(marker), *argv[3:]], env=cpu_env(),
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and not marker.exists() and proc.poll() is None:
@@ -212,7 +206,7 @@ def test_a_second_ctrl_c_stops_a_run_hung_in_a_save_at_once(tmp_path, cache_dir)
     run, marker = tmp_path / "hung", tmp_path / "blocked"
     argv = command("--total-steps", "40", "--checkpoint-interval", "1", "--checkpoint-dir", str(run), *SCHEDULE,
                    cache=cache_dir)
-    proc = subprocess.Popen([sys.executable, "-c", BLOCK_INSIDE_SAVE, str(marker), *argv[3:]], env=environment(),
+    proc = subprocess.Popen([sys.executable, "-c", BLOCK_INSIDE_SAVE, str(marker), *argv[3:]], env=cpu_env(),
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
@@ -271,7 +265,7 @@ def test_two_processes_log_the_same_losses_once(tmp_path, cache_dir, reference_r
     port = free_port()
     procs = []
     for index in range(2):
-        env = environment(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_COUNT="2",
+        env = cpu_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_COUNT="2",
                           JAX_PROCESS_INDEX=str(index))
         procs.append(subprocess.Popen(command(*base, "--checkpoint-dir", str(multi), "--mesh-data", "2",
                                               "--mesh-fsdp", "2", "--mesh-tp", "2", cache=cache_dir),
@@ -311,7 +305,7 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys, argv, message):
 
 def test_unknown_preset_is_a_one_line_usage_error(tmp_path, cache_dir):
     result = subprocess.run([sys.executable, "-m", "nash_mhc.train", "--model", "huge", "--checkpoint-dir",
-                             str(tmp_path / "x")], env=environment(), cwd=ROOT, capture_output=True, text=True)
+                             str(tmp_path / "x")], env=cpu_env(), cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2
     assert "unknown model preset 'huge'" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr

@@ -1,0 +1,34 @@
+"""Helpers the test modules share: the repository root, subprocess environments, a checkpoint without a run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from nash_mhc.training.checkpoint import Checkpointer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without JAX's, libtpu's and XLA's settings (a child picks its own), plus
+    ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "TPU_")) and k != "XLA_FLAGS"}
+    return {**env, **extra}
+
+
+def cpu_env(devices: int = 1, **extra: str) -> dict[str, str]:
+    """The environment of a child program on the CPU platform with ``devices`` host devices."""
+    return clean_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
+
+
+def write_checkpoint(directory: Path, step: int, state: Any, model_config: Any, train_config: Any) -> dict:
+    """Save ``state`` as step ``step`` of a ``synthetic``/``bytes`` run in ``directory``; returns its metadata."""
+    meta = {"step": step, "data": {"dataset": "synthetic", "tokenizer": "bytes"}, "rng": {"seed": 0},
+            "model_config": model_config.to_dict(), "train_config": train_config.to_dict()}
+    checkpointer = Checkpointer(directory)
+    checkpointer.save(step, state, meta)
+    checkpointer.wait()
+    checkpointer.close()
+    return meta
