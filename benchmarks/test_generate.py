@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from nash_mhc import LanguageModel, ModelConfig, generate
+from nash_mhc import LanguageModel, ModelConfig, generate_tokens
 
 NEW_TOKENS = 512
 PROMPT = np.frombuffer(b"def main(argv):\n", np.uint8).astype(np.int32)  # 16 byte tokens
@@ -27,10 +27,10 @@ def test_cached_decoding_is_faster_than_recomputing_the_forward(benchmark, prese
     model = LanguageModel(config, key=jax.random.key(0))
 
     def run(use_cache: bool) -> np.ndarray:
-        return generate(model, PROMPT, max_new_tokens=NEW_TOKENS, temperature=0, use_cache=use_cache)
+        return generate_tokens(model, PROMPT, max_new_tokens=NEW_TOKENS, temperature=0, use_cache=use_cache)
 
     for use_cache in (True, False):  # compile both programs outside the timed region
-        generate(model, PROMPT, max_new_tokens=2, temperature=0, use_cache=use_cache)
+        generate_tokens(model, PROMPT, max_new_tokens=2, temperature=0, use_cache=use_cache)
     start = time.perf_counter()
     uncached = run(False)  # one round: it takes about a minute on a 2-core CPU
     uncached_s = time.perf_counter() - start

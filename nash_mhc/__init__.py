@@ -11,7 +11,7 @@ select_platform()
 
 from nash_mhc import decoding, ops, training  # noqa: E402
 from nash_mhc.config import ModelConfig  # noqa: E402
-from nash_mhc.decoding import generate  # noqa: E402
+from nash_mhc.decoding import generate_tokens  # noqa: E402
 from nash_mhc.model import Block, LanguageModel, ModelOutput  # noqa: E402
 from nash_mhc.sharding import MeshError, make_mesh  # noqa: E402
 from nash_mhc.training import TrainConfig  # noqa: E402
@@ -28,4 +28,13 @@ def load_exported(directory: str, *, device: object = None) -> LanguageModel:
 
 __all__ = ["Block", "LanguageModel", "MeshError", "ModelConfig", "ModelOutput", "TrainConfig", "make_mesh", "ops",
            "training", "__version__"]
-__all__ += ["decoding", "generate", "load_exported"]
+__all__ += ["decoding", "generate_tokens", "load_exported"]
+
+
+def __getattr__(name: str) -> object:
+    """``nash_mhc.generate``: the program's module (callable, deprecated, as the function of versions < 0.3)."""
+    if name == "generate":
+        import importlib
+
+        return importlib.import_module("nash_mhc.generate")
+    raise AttributeError(f"module 'nash_mhc' has no attribute {name!r}")

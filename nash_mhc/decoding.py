@@ -26,7 +26,9 @@ a leading layer axis and the step scans over the stacked layers, like the forwar
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -314,7 +316,7 @@ def _advance(model: LanguageModel, carry: _Carry, sampling: Sampling, use_cache:
     return tokens, _Carry(state=state, logits=logits, position=position + 1, key=carry.key)
 
 
-def generate(model: LanguageModel, prompt: Sequence[int | np.integer] | np.ndarray | Int[Array, "prompt"], *,
+def generate_tokens(model: LanguageModel, prompt: Sequence[int | np.integer] | np.ndarray | Int[Array, "prompt"], *,
              max_new_tokens: int, temperature: float | int = 1.0, top_k: int = 0, top_p: float | int = 1.0,
              key: PRNGKeyArray | int = 0, num_samples: int = 1, use_cache: bool = True, max_len: int | None = None,
              eos_id: int | None = None, callback: Callable[[int, np.ndarray], None] | None = None
@@ -366,3 +368,10 @@ def generate(model: LanguageModel, prompt: Sequence[int | np.integer] | np.ndarr
     if not steps:
         return np.zeros((num_samples, 0), np.int32)
     return np.stack(steps, axis=1).astype(np.int32)
+
+
+def generate(*args: Any, **kwargs: Any) -> np.ndarray:
+    """Deprecated name of :func:`generate_tokens` (``nash_mhc.generate`` is the program); same arguments."""
+    warnings.warn("nash_mhc.decoding.generate is deprecated: call nash_mhc.generate_tokens (same arguments)",
+                  DeprecationWarning, stacklevel=2)
+    return generate_tokens(*args, **kwargs)

@@ -7,8 +7,9 @@ samples are drawn together; the first is streamed, the others are printed when g
 models larger than one device); without them it runs on one device.
 Exit codes: 0 done, 2 bad arguments or inputs (one line on stderr).
 
-``nash_mhc.generate`` is also the library function :func:`nash_mhc.decoding.generate`: importing this module
-makes the module itself callable, so ``nash_mhc.generate(model, prompt, ...)`` works either way.
+The library function is :func:`nash_mhc.generate_tokens` (:func:`nash_mhc.decoding.generate_tokens`). Calling
+this module, ``nash_mhc.generate(model, prompt, ...)`` (the function's name before version 0.3), still works
+with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import dataclasses
 import os
 import sys
 import types
+import warnings
 from typing import Any
 
 import numpy as np
 
 from nash_mhc.cli import SettingsParser, checkpoint_program_parser, fail
-from nash_mhc.decoding import Sampling
-from nash_mhc.decoding import generate as _generate
+from nash_mhc.decoding import Sampling, generate_tokens
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 
 DEFAULT_NEW_TOKENS = 200
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             print("--- sample 1 ---")
         sys.stdout.write(config.prompt)
         stream = TextStream(tokenizer)
-        tokens = _generate(loaded.model, ids, max_new_tokens=new_tokens, temperature=config.temperature,
+        tokens = generate_tokens(loaded.model, ids, max_new_tokens=new_tokens, temperature=config.temperature,
                            top_k=config.top_k, top_p=config.top_p, key=config.seed, num_samples=config.num_samples,
                            use_cache=config.cache, eos_id=None if config.ignore_eos else tokenizer.eos_id,
                            callback=lambda _, new: stream.add(new[0]))
@@ -123,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _CallableModule(types.ModuleType):
-    """Importing ``nash_mhc.generate`` (this CLI) rebinds the package attribute from the library function to
-    the module; making the module callable keeps ``nash_mhc.generate(model, prompt, ...)`` working."""
+    """``nash_mhc.generate`` is this program; calling it as the library function of old versions still works."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        return _generate(*args, **kwargs)
+        warnings.warn("calling nash_mhc.generate is deprecated: it is the program (python -m nash_mhc.generate); "
+                      "call nash_mhc.generate_tokens (same arguments)", DeprecationWarning, stacklevel=2)
+        return generate_tokens(*args, **kwargs)
 
 
 if __name__ == "__main__":

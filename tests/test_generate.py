@@ -104,9 +104,9 @@ SAMPLED = dict(temperature=1.0, top_k=50, top_p=0.95)  # the CLI tests reuse the
 @pytest.mark.slow
 def test_greedy_generation_is_deterministic_and_identical_with_and_without_cache(model):
     prompt = np.array([100, 101, 32, 102, 40], np.int32)
-    cached = nash_mhc.generate(model, prompt, max_new_tokens=20, **GREEDY)
-    again = nash_mhc.generate(model, prompt, max_new_tokens=20, key=123, **GREEDY)
-    uncached = nash_mhc.generate(model, prompt, max_new_tokens=20, use_cache=False, **GREEDY)
+    cached = nash_mhc.generate_tokens(model, prompt, max_new_tokens=20, **GREEDY)
+    again = nash_mhc.generate_tokens(model, prompt, max_new_tokens=20, key=123, **GREEDY)
+    uncached = nash_mhc.generate_tokens(model, prompt, max_new_tokens=20, use_cache=False, **GREEDY)
     assert cached.shape == (1, 20) and cached.dtype == np.int32
     np.testing.assert_array_equal(cached, again)
     np.testing.assert_array_equal(cached, uncached)
@@ -115,14 +115,15 @@ def test_greedy_generation_is_deterministic_and_identical_with_and_without_cache
 @pytest.mark.slow
 def test_sampling_is_reproducible_and_the_same_with_and_without_cache(model):
     prompt = [120, 121]
-    first = nash_mhc.generate(model, prompt, max_new_tokens=12, key=7, num_samples=2, **SAMPLED)
+    first = nash_mhc.generate_tokens(model, prompt, max_new_tokens=12, key=7, num_samples=2, **SAMPLED)
     assert first.shape == (2, 12)
-    again = nash_mhc.generate(model, prompt, max_new_tokens=12, key=7, num_samples=2, **SAMPLED)
+    again = nash_mhc.generate_tokens(model, prompt, max_new_tokens=12, key=7, num_samples=2, **SAMPLED)
     np.testing.assert_array_equal(first, again)
-    uncached = nash_mhc.generate(model, prompt, max_new_tokens=12, key=7, num_samples=2, use_cache=False, **SAMPLED)
+    uncached = nash_mhc.generate_tokens(model, prompt, max_new_tokens=12, key=7, num_samples=2, use_cache=False,
+                                        **SAMPLED)
     np.testing.assert_array_equal(first, uncached)
     assert not np.array_equal(first[0], first[1]), "samples drawn together must differ"
-    other = nash_mhc.generate(model, prompt, max_new_tokens=12, key=8, num_samples=2, **SAMPLED)
+    other = nash_mhc.generate_tokens(model, prompt, max_new_tokens=12, key=8, num_samples=2, **SAMPLED)
     assert not np.array_equal(first, other)
 
 
@@ -131,7 +132,7 @@ def test_one_compilation_serves_every_prompt_and_length(model):
     before = num_decode_traces()
     streamed = []
     for prompt, new in (([1, 2, 3], 4), ([5] * 11, 9), ([7], 1)):
-        out = nash_mhc.generate(model, prompt, max_new_tokens=new, temperature=0.5, key=3,
+        out = nash_mhc.generate_tokens(model, prompt, max_new_tokens=new, temperature=0.5, key=3,
                                 callback=lambda step, ids: streamed.append((step, ids.copy())))
         assert out.shape == (1, new)
     assert num_decode_traces() - before == 1
@@ -140,12 +141,12 @@ def test_one_compilation_serves_every_prompt_and_length(model):
 
 @pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_eos_ends_each_sample_and_stops_once_all_have_ended(model):
-    greedy = nash_mhc.generate(model, [65, 66], max_new_tokens=10, **GREEDY)
-    stopped = nash_mhc.generate(model, [65, 66], max_new_tokens=10, eos_id=int(greedy[0, 0]), **GREEDY)
+    greedy = nash_mhc.generate_tokens(model, [65, 66], max_new_tokens=10, **GREEDY)
+    stopped = nash_mhc.generate_tokens(model, [65, 66], max_new_tokens=10, eos_id=int(greedy[0, 0]), **GREEDY)
     np.testing.assert_array_equal(stopped, greedy[:, :1])
-    free = nash_mhc.generate(model, [65, 66], max_new_tokens=12, key=5, num_samples=2, **SAMPLED)
+    free = nash_mhc.generate_tokens(model, [65, 66], max_new_tokens=12, key=5, num_samples=2, **SAMPLED)
     eos = int(free[0, 2])
-    ended = nash_mhc.generate(model, [65, 66], max_new_tokens=12, key=5, num_samples=2, eos_id=eos, **SAMPLED)
+    ended = nash_mhc.generate_tokens(model, [65, 66], max_new_tokens=12, key=5, num_samples=2, eos_id=eos, **SAMPLED)
     firsts = [int(np.argmax(row == eos)) if eos in row else 11 for row in free]
     assert ended.shape[1] == max(firsts) + 1
     for row, first in enumerate(firsts):
@@ -155,13 +156,13 @@ def test_eos_ends_each_sample_and_stops_once_all_have_ended(model):
 
 def test_generate_rejects_bad_prompts(model):
     with pytest.raises(ValueError, match="exceed the context"):
-        nash_mhc.generate(model, list(range(30)), max_new_tokens=3)
+        nash_mhc.generate_tokens(model, list(range(30)), max_new_tokens=3)
     with pytest.raises(ValueError, match="empty"):
-        nash_mhc.generate(model, [], max_new_tokens=3)
+        nash_mhc.generate_tokens(model, [], max_new_tokens=3)
     with pytest.raises(ValueError, match="ids must be"):
-        nash_mhc.generate(model, [model.config.vocab_size], max_new_tokens=3)
+        nash_mhc.generate_tokens(model, [model.config.vocab_size], max_new_tokens=3)
     with pytest.raises(ValueError, match="top-p"):
-        nash_mhc.generate(model, [1], max_new_tokens=3, top_p=0.0)
+        nash_mhc.generate_tokens(model, [1], max_new_tokens=3, top_p=0.0)
 
 
 # -------------------------------------------------------------------------------------------------- sampling
@@ -268,9 +269,14 @@ def test_text_stream_holds_back_incomplete_characters():
     assert out.getvalue() == "é!"
 
 
-def test_library_function_survives_importing_the_cli_module(model):
+def test_generate_tokens_is_the_function_and_the_old_name_still_works_with_a_warning(model):
+    """``nash_mhc.generate_tokens`` is the library function; ``nash_mhc.generate`` is the program's module, and
+    calling it (or ``nash_mhc.decoding.generate``) as versions < 0.3 did gives the same tokens with a
+    DeprecationWarning."""
     import nash_mhc.generate as cli
 
-    assert callable(nash_mhc.generate) and callable(cli)
-    np.testing.assert_array_equal(nash_mhc.generate(model, [1, 2], max_new_tokens=2, temperature=0),
-                                  nash_mhc.decoding.generate(model, [1, 2], max_new_tokens=2, temperature=0))
+    assert nash_mhc.generate is cli and nash_mhc.generate_tokens is nash_mhc.decoding.generate_tokens
+    expected = nash_mhc.generate_tokens(model, [1, 2], max_new_tokens=2, temperature=0)
+    for old in (nash_mhc.generate, nash_mhc.decoding.generate):
+        with pytest.warns(DeprecationWarning, match="generate_tokens"):
+            np.testing.assert_array_equal(old(model, [1, 2], max_new_tokens=2, temperature=0), expected)
