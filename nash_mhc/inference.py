@@ -58,7 +58,8 @@ class LoadedModel:
 def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool = False,
                tokenizer: str | None = None, mesh: Mesh | None = None) -> LoadedModel:
     """Restore the model of a training run's checkpoint onto the first device (a one-device mesh), or onto
-    ``mesh`` with the parameters placed as training places them (:data:`nash_mhc.sharding.PARAM_RULES`).
+    ``mesh`` with the parameters placed as training places them (their declared logical axes,
+    :mod:`nash_mhc.sharding`). Only the model's arrays are read, not the optimizer state.
 
     ``checkpoint_dir`` is a run directory (its latest step, or ``step``) or one step directory inside it.
     ``untrained=True`` returns the run's initialisation instead (same config and seed as its step 0), the
@@ -100,7 +101,7 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
                 model = init_train_state(model_config, train_config, mesh, key=key).model
                 step = 0
             else:
-                model = checkpointer.restore(step, abstract_train_state(model_config, train_config, mesh)).model
+                model = checkpointer.restore_model(step, abstract_train_state(model_config, train_config, mesh))
             return LoadedModel(model=model, config=model.config, tokenizer=tokenizer, step=step, meta=meta,
                                mesh=mesh)
         mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
@@ -114,7 +115,7 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
             template = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
                 if isinstance(x, jax.ShapeDtypeStruct) else x, abstract)
-            model = checkpointer.restore(step, template).model
+            model = checkpointer.restore_model(step, template)
             # Uncommitted default-device arrays, like a freshly built model's (jit treats both alike).
             model = jax.tree.map(lambda a: jnp.asarray(jax.device_get(a)), model)
     finally:

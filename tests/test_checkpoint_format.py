@@ -1,4 +1,4 @@
-"""Checkpoints written before the model's function changed (model formats 1 and 2) are refused in one line."""
+"""Checkpoint formats: older model formats (1 and 2) are refused in one line; inference reads only the model."""
 
 from __future__ import annotations
 
@@ -48,3 +48,39 @@ def test_an_older_format_checkpoint_is_refused_with_one_line_naming_the_change(t
     err = capsys.readouterr().err
     assert code == 2 and f"model format {old_format}" in err and len(err.strip().splitlines()) == 1
     assert sorted(str(p) for p in run.rglob("*")) == before
+
+
+def test_inference_restores_only_the_model(tmp_path):
+    """``Checkpointer.restore_model`` reads the model's arrays and no others: it restores into a TrainState
+    template whose optimizer state does not match the checkpoint's (another optimizer's shapes), where a whole
+    restore fails; the model's values are the saved ones."""
+    import equinox as eqx
+    import numpy as np
+    from helpers import write_checkpoint
+
+    from nash_mhc.inference import load_model
+    from nash_mhc.training.checkpoint import CheckpointError
+    from nash_mhc.training.fit import abstract_train_state
+
+    config, train_config = ModelConfig.preset("tiny"), TrainConfig(batch_size=8, total_steps=10, warmup_steps=1)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    state = init_train_state(config, train_config, mesh, key=jax.random.key(3))
+    write_checkpoint(tmp_path / "run", 4, state, config, train_config)
+
+    template = abstract_train_state(config, train_config, mesh)
+    opt_leaves = [x for x in jax.tree.leaves(template.opt_state) if isinstance(x, jax.ShapeDtypeStruct) and x.ndim]
+    other = eqx.tree_at(lambda s: s.opt_state, template,  # every optimizer moment one row longer
+                        jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] + 1, *x.shape[1:]), x.dtype,
+                                                                    sharding=x.sharding)
+                                     if isinstance(x, jax.ShapeDtypeStruct) and x.ndim else x, template.opt_state))
+    assert opt_leaves
+    checkpointer = Checkpointer(tmp_path / "run", read_only=True)
+    with pytest.raises(CheckpointError, match="shape"):
+        checkpointer.restore(4, other)
+    model = checkpointer.restore_model(4, other)
+    checkpointer.close()
+    for got, saved in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)),
+                          jax.tree.leaves(eqx.filter(state.model, eqx.is_array)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
+    loaded = load_model(str(tmp_path / "run"))
+    np.testing.assert_array_equal(np.asarray(loaded.model.embedding), np.asarray(state.model.embedding))

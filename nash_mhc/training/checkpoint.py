@@ -42,6 +42,9 @@ def _is_shape(x: object) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct | jax.Array)
 
 
+MODEL_PREFIX = ".model"  # a TrainState's model: its arrays' tree paths (jax.tree_util.keystr) start ".model."
+
+
 def state_arrays(state: PyTree) -> dict[str, Any]:
     """{tree path: array} of every array leaf (arrays or ShapeDtypeStructs) of ``state``."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(state, _is_shape))
@@ -116,11 +119,29 @@ class Checkpointer:
 
     def restore(self, step: int, template: PyTree) -> PyTree:
         """Restore the state at ``step`` onto the shardings of ``template`` (arrays or ShapeDtypeStructs)."""
-        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
-                  for k, v in state_arrays(template).items()}
+        return with_arrays(template, self._read_arrays(step, state_arrays(template)))
+
+    def restore_model(self, step: int, template: PyTree) -> PyTree:
+        """Only ``template.model`` (a TrainState's model) of the state at ``step``: the optimizer state and
+        the other arrays of the checkpoint are not read (an Orbax partial restore), so inference needs the
+        model's memory and reads its bytes only."""
+        wanted = {k: v for k, v in state_arrays(template).items() if k.startswith(MODEL_PREFIX + ".")}
+        reader = Checkpointer(self.directory, read_only=True)  # its own manager: Orbax binds one handler per item
+        try:
+            arrays = reader._read_arrays(step, wanted, partial=True)
+        finally:
+            reader.close()
+        return with_arrays(template.model, {k[len(MODEL_PREFIX):]: v for k, v in arrays.items()})
+
+    def _read_arrays(self, step: int, wanted: dict[str, Any], *, partial: bool = False) -> dict[str, Any]:
+        """``{tree path: array}`` of ``step`` for the entries of ``wanted`` (arrays or shapes; each placed on its
+        sharding). ``partial``: the checkpoint may hold more entries, which are not read."""
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in wanted.items()}
+        args = (ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                       partial_restore=True) if partial else ocp.args.StandardRestore(target))
         _quiet_abandoned_reads()  # before the restore: a failing read's callbacks may fire while it unwinds
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=args))
         except Exception as error:  # noqa: BLE001
             raise CheckpointError(f"cannot restore checkpoint {self.directory}/{step}: "
                                   f"{type(error).__name__}: {str(error).splitlines()[0][:200]}") from error
@@ -129,7 +150,7 @@ class Checkpointer:
             if key in arrays and tuple(arrays[key].shape) != tuple(spec.shape):
                 raise CheckpointError(f"checkpoint array {key} has shape {tuple(arrays[key].shape)}, "
                                       f"the run expects {tuple(spec.shape)}")
-        return with_arrays(template, arrays)
+        return arrays
 
     def close(self) -> None:
         self.manager.close()
