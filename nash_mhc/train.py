@@ -35,7 +35,7 @@ from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 from nash_mhc.sharding import MeshConfig
-from nash_mhc.training.config import RunConfig, TrainConfig
+from nash_mhc.training.config import MEMORY_DEFAULTS, RunConfig, TrainConfig
 from nash_mhc.training.profiling import ProfileConfig
 from nash_mhc.training.wandb_log import WandbConfig
 
@@ -102,9 +102,13 @@ def configs(argv: list[str] | None = None, parser: SettingsParser | None = None)
     parser = parser or build_parser()
     given = parser.given(argv)
     program = parser.build(Program, given)
+    preset = "small" if program.use_small_model else program.model
+    memory = MEMORY_DEFAULTS.get(preset, {})
+    model_values = parser.values(ModelConfig, given)
+    if not {"remat", "remat_group"} & set(model_values):
+        model_values.update({k: memory[k] for k in ("remat", "remat_group") if k in memory})
     try:
-        model = ModelConfig.preset("small" if program.use_small_model else program.model,
-                                   **parser.values(ModelConfig, given))
+        model = ModelConfig.preset(preset, **model_values)
     except ValueError as error:
         raise parser.named(ModelConfig, error) from None
     accumulation = parser.values(TrainConfig, given).get("grad_accum_steps", TrainConfig.grad_accum_steps)
@@ -119,9 +123,11 @@ def configs(argv: list[str] | None = None, parser: SettingsParser | None = None)
                              f"{per_microbatch}; give one of them")
         accumulation = program.total_batch_tokens // per_microbatch
     batch = {"batch_size": program.batch_size * accumulation, "grad_accum_steps": accumulation}
-    loss_chunks = parser.values(TrainConfig, given).get("loss_chunks", TrainConfig.loss_chunks)
+    loss_chunks = parser.values(TrainConfig, given).get("loss_chunks", memory.get("loss_chunks",
+                                                                                   TrainConfig.loss_chunks))
     if model.seq_len % loss_chunks:
         raise ValueError(f"--loss-chunks {loss_chunks} does not divide --seq-len {model.seq_len}")
+    batch["loss_chunks"] = loss_chunks
     return (Configs(model=model, train=parser.build(TrainConfig, given, **batch), data=parser.build(DataConfig, given),
                     mesh=parser.build(MeshConfig, given), run=parser.build(RunConfig, given)),
             parser.build(CompileCache, given))

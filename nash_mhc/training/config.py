@@ -4,6 +4,7 @@ declared once (default, help, check); ``python -m nash_mhc.train`` generates its
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from nash_mhc.config import REMAT_POLICIES, ConfigMethods
 from nash_mhc.settings import (
@@ -17,6 +18,15 @@ from nash_mhc.settings import (
 )
 
 SEED = (lambda v: NON_NEGATIVE_INT[0](v) and v < 2**63, "must be an integer in [0, 2**63)")  # jax.random.key's range
+
+
+# The training program's memory settings per preset, where a preset's train step does not fit a TPU slice's
+# HBM without them: the settings docs/tpu.md's fit table measured (1b: batch 8 per chip fits v5e's 16 GiB with
+# them, 15.2 GB in all). A flag given overrides them: --remat/--remat-group as a pair, --loss-chunks alone.
+MEMORY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "1b": {"remat": "full", "remat_group": 4, "loss_chunks": 8},
+    "3b": {"remat": "full", "remat_group": 4, "loss_chunks": 8},
+}
 
 
 @dataclasses.dataclass(frozen=True)
