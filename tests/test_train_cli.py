@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import ROOT, cpu_env
 from nash_mhc import ModelConfig, TrainConfig
 from nash_mhc import train as train_module
 from nash_mhc.evaluate import main as evaluate_main
@@ -161,7 +162,6 @@ BLOCKED_STEP = 6
 BLOCK_INSIDE_SAVE = f"""
 import pathlib, runpy, sys, time
 import orbax.checkpoint as ocp
-from helpers import ROOT, cpu_env
 marker = pathlib.Path(sys.argv.pop(1))
 original = ocp.JsonCheckpointHandler._save_fn
 async def _save_fn(self, x, directory):
