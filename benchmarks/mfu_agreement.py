@@ -1,4 +1,4 @@
-"""Does the training log's MFU agree with the benchmark suite's for the same step? (issue 29)
+"""Does the training log's MFU agree with the benchmark suite's for the same step?
 
     python benchmarks/mfu_agreement.py [--steps 30] [--modes mhc-multiscale plain-full]
 

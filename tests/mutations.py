@@ -1,4 +1,4 @@
-"""Apply each model mutation (issues 15 and 24) to a scratch copy of the repository and list the quick tests it fails.
+"""Apply each model mutation to a scratch copy of the repository and list the quick tests it fails.
 
     python tests/mutations.py [NAME ...]      (all mutations when no name is given)
 

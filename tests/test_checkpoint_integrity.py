@@ -1,4 +1,4 @@
-"""Checkpoint integrity (issue 16): divergence, corruption, concurrent runs, changed data, filesystem faults.
+"""Checkpoint integrity: divergence, corruption, concurrent runs, changed data, filesystem faults.
 
 The subprocess tests share one trained run (``trained``: 4 tiny steps, checkpoints at 2 and 4) and copy it.
 """
@@ -343,7 +343,7 @@ def test_checkpoints_record_local_paths_absolute(tmp_path, monkeypatch):
     assert absolute_spec("bytes") == "bytes" and absolute_spec("gs://b/x") == "gs://b/x"
 
 
-# --------------------------------------------------------------------------------- issue 16 item 11, the rest
+# --------------------------------------------------------------------- changed data, tokenizers, filesystem faults
 def word_level_tokenizer(path: Path) -> Path:
     """A ``tokenizer.json`` with the byte tokenizer's vocabulary size (256 words + [UNK], then EOS and PAD
     appended: 259 ids) but other ids: same model shape, other data."""

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import ROOT, cpu_env
+
 from nash_mhc import ModelConfig, TrainConfig
 from nash_mhc import train as train_module
 from nash_mhc.evaluate import main as evaluate_main
@@ -338,7 +338,7 @@ def flags(module: str) -> set[str]:
 
 @pytest.mark.parametrize("module", ["train", "generate", "evaluate", "export"])
 def test_help_lists_every_flag_of_before(module):
-    """tests/cli_flags.json holds the flags of main before the settings refactor (issue 17): none may go."""
+    """tests/cli_flags.json holds every flag users have been given: none may go (the list only grows)."""
     recorded = set(json.loads((ROOT / "tests" / "cli_flags.json").read_text())[module])
     assert recorded - flags(module) == set()
 
