@@ -431,7 +431,7 @@ def test_mhc_lite_with_the_gate_shards_like_one_device_and_resumes_bit_identical
     """The two new modes together: 4 steps on (2, 2, 2) match one device as the default mode's do, and 2 steps,
     a checkpoint, a restore into a fresh state and 2 more steps give bit-identical losses and parameters."""
     needs_8_devices()
-    from checkpoints import write_checkpoint
+    from helpers import write_checkpoint
 
     from nash_mhc.training.checkpoint import Checkpointer
 

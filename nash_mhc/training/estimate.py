@@ -13,11 +13,11 @@ copy, a convolution). This module reads the optimised HLO and sums
 where the loops are the ``while`` operations the compiler kept (the layer scan and its transpose, grouped remat's
 nested scans, the gradient-accumulation and loss-chunk scans, Sinkhorn's and the Nash solver's iterations, ...),
 each trip count read from its condition (``counter < N``, counter starting at a constant and stepping by a
-constant). The estimated step time is step cycles / the chip's clock (:data:`CLOCK_HZ`). It is the compiler's
-estimate of the TensorCore's busy time, never a measurement. Not in it (listed by :func:`estimate_lines`):
-collectives (bytes per chip are counted; on TPU they run asynchronously next to the compute), SparseCore
-offloads, asynchronous copies between memory spaces, and the few array operations without a cycle estimate
-(gathers and scatters; their HBM bytes are counted).
+constant; the Nash solver, which may stop early, counted at its most iterations). The estimated step time is step
+cycles / the chip's clock (:data:`CLOCK_HZ`). It is the compiler's estimate of the TensorCore's busy time, never a
+measurement. Not in it (listed by :func:`estimate_lines`): collectives (bytes per chip are counted; on TPU they
+run asynchronously next to the compute), SparseCore offloads, asynchronous copies between memory spaces, and the
+few array operations without a cycle estimate (gathers and scatters; their HBM bytes are counted).
 
 HBM bytes per step: for every scheduled operation, the bytes of its operands and result that live in HBM
 (memory space 0; VMEM ``S(1)`` and the rest are on-chip), by the same multiplicities. A fusion operand that the
@@ -127,11 +127,31 @@ def trip_count(computations: dict[str, list[Instruction]], loop: Instruction,
 
     Its condition must compare one tuple element (the counter) with a constant; the counter's initial value
     must be a constant in the while's operand tuple (0 is assumed when it cannot be found: JAX's loops count
-    from 0) and the body must add a constant to it (1 assumed likewise).
+    from 0) and the body must add a constant to it (1 assumed likewise). A condition that ands such a
+    comparison with others (the Nash solver's ``i < max_iters & residual > tol``) counts the comparison's trip
+    count, the most the loop can run: the estimate of a converging loop is an upper bound.
     """
     condition = computations[loop.attr("condition")]
     names = {i.name: i for i in condition}
     root = next(i for i in condition if i.root)
+    if root.op != "and":
+        return _compare_trip_count(computations, loop, owner, names, root)
+    bounds = []
+    for operand in root.operands:
+        compare = names.get(operand)
+        if compare is not None and compare.op == "compare":
+            try:
+                bounds.append(_compare_trip_count(computations, loop, owner, names, compare))
+            except EstimateError:
+                continue  # a data-dependent test (a residual against a tolerance) bounds nothing
+    if not bounds:
+        raise EstimateError(f"loop {loop.name}: no part of its condition compares a counter with a constant")
+    return min(bounds)
+
+
+def _compare_trip_count(computations: dict[str, list[Instruction]], loop: Instruction, owner: list[Instruction],
+                        names: dict[str, Instruction], root: Instruction) -> int:
+    """Trip count of ``loop`` as far as the comparison ``root`` of its condition allows."""
     direction = re.search(r"direction=(\w+)", root.rest)
     if root.op != "compare" or direction is None or len(root.operands) != 2:
         raise EstimateError(f"loop {loop.name}: its condition is not a comparison ({root.op})")
