@@ -183,7 +183,10 @@ def main() -> None:
             if line.strip():
                 r = json.loads(line)
                 results[key(r["preset"], r["slice"], r["variant"], r["per_chip"], r["label"])] = r
-    command = f"python benchmarks/tpu_estimate.py --label {args.label}"
+    chosen = [f"--{name} {' '.join(value)}" for name, value, default in (
+        ("presets", args.presets, PRESETS), ("slices", args.slices, SLICES), ("variants", args.variants,
+                                                                             list(VARIANTS))) if value != default]
+    command = " ".join(["python benchmarks/tpu_estimate.py", *chosen, f"--label {args.label}"])
     machine = f"a shared {os.cpu_count()}-core AMD EPYC VM, CPU only"
 
     def refresh() -> None:
