@@ -20,6 +20,7 @@ from nash_mhc import LanguageModel, ModelConfig
 from nash_mhc.layers.aggregation import ScaleAggregation
 from nash_mhc.layers.hyperconnection import HyperConnection
 from nash_mhc.ops import combine, gate_weights, nash_weights, normalised_entropy, prior_weights
+from nash_mhc.ops.aggregation import largest_eigenvalue, scale_game, solve_small
 
 DEFAULT = ModelConfig.preset("tiny")
 
@@ -245,6 +246,65 @@ def test_identical_outputs_give_finite_gradients():
         grads = jax.grad(loss, argnums=(0, 1, 2))(same.astype(dtype), jnp.zeros(3), jnp.asarray(0.1))
         assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
         assert bool(jnp.any(grads[0] != 0))
+
+
+def centred_gram64(outputs: np.ndarray, available: np.ndarray) -> np.ndarray:
+    """C of the module docstring in float64, written from the equations: outputs over sqrt(S), centred over the
+    available scales, Gram over D (0 on unavailable rows and columns)."""
+    o = np.where(available[..., None], outputs.astype(np.float64), 0.0)
+    count = np.maximum(available.sum(-1), 1)
+    o = o / np.sqrt(np.maximum((o * o).mean(-1).sum(-1) / count, 1e-300))[..., None, None]
+    centred = np.where(available[..., None], o - o.sum(-2, keepdims=True) / count[..., None, None], 0.0)
+    return np.einsum("...ld,...md->...lm", centred, centred) / o.shape[-1]
+
+
+@pytest.mark.parametrize("scales", [1, 2, 3, 4])
+def test_the_largest_eigenvalue_matches_eigvalsh_in_float64(scales):
+    """Random outputs (spreads over 4 decades), every availability pattern with scale 0 available, two scales
+    with equal eigenvalues (equilateral outputs) and all-equal outputs (C = 0): lambda_max within 1e-5 of
+    NumPy's float64 eigvalsh, relative to the trace; gradients finite where eigenvalues coincide."""
+    rng = np.random.default_rng(scales)
+    outputs = rng.normal(size=(512, scales, 16)) * 10.0 ** rng.uniform(-2, 2, size=(512, scales, 1))
+    outputs[0] = 1.0  # C = 0
+    if scales == 3:  # an equilateral triangle in a plane: two equal nonzero eigenvalues
+        angles = 2 * np.pi * np.arange(3) / 3
+        outputs[1] = 0.0
+        outputs[1, :, 0], outputs[1, :, 1] = np.cos(angles), np.sin(angles)
+    available = rng.random((512, scales)) < 0.7
+    available[:, 0] = True
+    available[:64] = True
+    gram, spread = scale_game(jnp.asarray(outputs, jnp.float32), jnp.asarray(available))
+    expected = np.linalg.eigvalsh(centred_gram64(outputs, available))[..., -1]
+    trace = np.trace(centred_gram64(outputs, available), axis1=-2, axis2=-1)
+    np.testing.assert_array_less(np.abs(np.asarray(spread, np.float64) - expected), 1e-5 * np.maximum(trace, 1e-6))
+    grads = jax.grad(lambda g: jnp.sum(largest_eigenvalue(g, jnp.asarray(available))))(gram)
+    assert bool(jnp.all(jnp.isfinite(grads)))
+    if scales == 3:  # where lambda_max is simple, its gradient along symmetric dC is v^T dC v (v its eigenvector)
+        values, vectors = np.linalg.eigh(np.asarray(gram[64:], np.float64))
+        simple = (values[:, -1] - values[:, -2] > 1e-2 * values[:, -1]) & available[64:].all(-1)
+        v = vectors[simple, :, -1]
+        symmetric = (np.asarray(grads) + np.swapaxes(np.asarray(grads), -1, -2)) / 2
+        np.testing.assert_allclose(symmetric[64:][simple], v[:, :, None] * v[:, None, :], atol=2e-4)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 6])
+def test_the_small_solver_matches_numpy_including_systems_that_need_pivoting(size):
+    """Random well-conditioned systems, permutation matrices (a zero on the diagonal: no elimination without
+    row exchanges) and identity rows (unavailable scales) against float64 ``np.linalg.solve``."""
+    rng = np.random.default_rng(size)
+    matrices = rng.normal(size=(300, size, size)) + 3.0 * np.eye(size)
+    matrices[:100] = np.eye(size)[rng.permuted(np.tile(np.arange(size), (100, 1)), axis=1)]
+    matrices[100:110, -1, :] = np.eye(size)[-1]
+    rhs = rng.normal(size=(300, size))
+    expected = np.linalg.solve(matrices, rhs[..., None])[..., 0]
+    with jax.enable_x64(True):
+        got = solve_small(jnp.asarray(matrices), jnp.asarray(rhs))
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-10, atol=1e-10)
+        # reverse mode transposes it: d<x, g>/d rhs = A^-T g
+        g = rng.normal(size=(300, size))
+        cotangent = jax.grad(lambda b: jnp.sum(solve_small(jnp.asarray(matrices), b) * g))(jnp.asarray(rhs))
+        np.testing.assert_allclose(np.asarray(cotangent), np.linalg.solve(np.swapaxes(matrices, -1, -2),
+                                                                          g[..., None])[..., 0], rtol=1e-9, atol=1e-9)
 
 
 def test_normalised_entropy_per_position():

@@ -38,7 +38,8 @@ Solver: safeguarded Newton in logit space (each step takes whichever of the Newt
 best-response step leaves the smaller residual; L <= a few, so the L x L solves are cheap), from z = b, until
 max_l |w - BR(w)| <= the dtype's tolerance or ``max_iters`` steps. Differentiated implicitly (a custom JVP: dz* =
 (I - J)^-1 dT, so reverse mode transposes one linear solve), never through the iterations. lambda_max comes from
-``eigvalsh``: finite (sub)gradients everywhere, including C = 0. Computed in float32 (float64 for float64
+:func:`largest_eigenvalue` (closed form for L <= 3): finite (sub)gradients everywhere, including C = 0. Both the
+solves and lambda_max are elementwise over positions (see :func:`solve_small`). Computed in float32 (float64 for float64
 inputs), per position: weights are never pooled over the sequence, which would leak the future.
 """
 
@@ -99,7 +100,63 @@ def scale_game(outputs: Float[Array, "*batch scales dim"], available: Bool[Array
     mean = jnp.sum(o, axis=-2, keepdims=True) / count[..., None, None]
     centred = (o - mean) * mask[..., None]
     gram = jnp.einsum("...ld,...md->...lm", centred, centred) / o.shape[-1]
-    return gram, jnp.linalg.eigvalsh(gram)[..., -1]
+    return gram, largest_eigenvalue(gram, available)
+
+
+def largest_eigenvalue(gram: jax.Array, available: jax.Array) -> jax.Array:
+    """lambda_max of the centred Gram matrix ``gram`` [..., L, L] of the ``available`` scales, per position.
+
+    Centring over the a available scales leaves C 1_available = 0, so C has rank <= a - 1 and is PSD:
+    a <= 2 gives lambda_max = trace(C) exactly. For L = 3 with all three available, the two nonzero eigenvalues
+    are those of B = U^T C U, U an orthonormal basis of the complement of 1 (u1 = (1, -1, 0) / sqrt 2, u2 =
+    (1, 1, -2) / sqrt 6): lambda_max = tr(B) / 2 + sqrt(((B11 - B22) / 2)^2 + B12^2), a sum of squares under the
+    root (no cancellation). Elementwise over positions, so on a TPU the positions stay in the vector lanes; a
+    batched ``eigvalsh`` of 3 x 3 matrices costs the TPU about 1,700 times as much (the compiler's estimate,
+    docs/tpu.md), on CPU a LAPACK call per matrix. Where the two eigenvalues are equal (C = 0 included) the
+    gradient is that of tr(C) / 2, a subgradient. L > 3: ``eigvalsh``.
+    """
+    size = gram.shape[-1]
+    trace = jnp.trace(gram, axis1=-2, axis2=-1)
+    if size > 3:
+        return jnp.linalg.eigvalsh(gram)[..., -1]
+    if size < 3:
+        return trace
+    c = [[gram[..., i, j] for j in range(3)] for i in range(3)]
+    b11 = (c[0][0] + c[1][1] - 2.0 * c[0][1]) / 2.0
+    b22 = (c[0][0] + c[1][1] + 4.0 * c[2][2] + 2.0 * c[0][1] - 4.0 * c[0][2] - 4.0 * c[1][2]) / 6.0
+    b12 = (c[0][0] - c[1][1] - 2.0 * c[0][2] + 2.0 * c[1][2]) / (2.0 * 3.0 ** 0.5)
+    gap = ((b11 - b22) / 2.0) ** 2 + b12 ** 2
+    root = jnp.where(gap > 0, jnp.sqrt(jnp.where(gap > 0, gap, 1.0)), 0.0)
+    every = jnp.all(jnp.broadcast_to(available, gram.shape[:-1]), axis=-1)
+    return jnp.where(every, (b11 + b22) / 2.0 + root, trace)
+
+
+def solve_small(matrix: jax.Array, rhs: jax.Array) -> jax.Array:
+    """x with ``matrix`` [..., L, L] x = ``rhs`` [..., L]: Gaussian elimination with partial pivoting unrolled
+    over the L x L entries, each an array over the positions (L <= 6; ``linalg.solve`` above). A batched
+    ``linalg.solve`` of 3 x 3 systems keeps the scales axis minor: on a TPU every matrix is padded to a tile and
+    transposed for the solver, about 150 times the elementwise cost (the compiler's estimate, docs/tpu.md).
+    Linear in ``rhs``, so reverse mode transposes it like any elementwise program."""
+    size = matrix.shape[-1]
+    if size > 6:
+        return jnp.linalg.solve(matrix, rhs[..., None])[..., 0]
+    rows = [[matrix[..., i, j] for j in range(size)] for i in range(size)]
+    right = [rhs[..., i] for i in range(size)]
+    for k in range(size):
+        for i in range(k + 1, size):  # bring the largest |entry| of column k (rows k..) to row k
+            swap = jnp.abs(rows[i][k]) > jnp.abs(rows[k][k])
+            rows[k], rows[i] = ([jnp.where(swap, x, y) for x, y in zip(rows[i], rows[k], strict=True)],
+                                [jnp.where(swap, y, x) for x, y in zip(rows[i], rows[k], strict=True)])
+            right[k], right[i] = jnp.where(swap, right[i], right[k]), jnp.where(swap, right[k], right[i])
+        for i in range(k + 1, size):
+            factor = rows[i][k] / rows[k][k]
+            rows[i] = [rows[i][j] - factor * rows[k][j] for j in range(size)]
+            right[i] = right[i] - factor * right[k]
+    solution: list[jax.Array] = [jnp.zeros_like(right[0])] * size
+    for i in reversed(range(size)):
+        known = sum((rows[i][j] * solution[j] for j in range(i + 1, size)), jnp.zeros_like(right[i]))
+        solution[i] = (right[i] - known) / rows[i][i]
+    return jnp.stack(solution, axis=-1)
 
 
 def _best_logits(z: jax.Array, gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array
@@ -142,7 +199,7 @@ def solve_equilibrium(gram: jax.Array, prior: jax.Array, temperature: jax.Array,
     def step(carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         z, r, i = carry
         w = masked_softmax(z, available)
-        newton = z - jnp.linalg.solve(_newton_matrix(w, gram, temperature, available), r[..., None])[..., 0]
+        newton = z - solve_small(_newton_matrix(w, gram, temperature, available), r)
         plain = z - r
         r_newton, r_plain = residual_of(newton), residual_of(plain)
         better = jnp.max(jnp.abs(r_newton), -1, keepdims=True) <= jnp.max(jnp.abs(r_plain), -1, keepdims=True)
@@ -170,7 +227,7 @@ def _solve_equilibrium_jvp(max_iters: int, primals: tuple[Any, ...], tangents: t
         return _best_logits(z, g, p, t, available)[0]
 
     _, rhs = jax.jvp(best, (gram, prior, temperature), (d_gram, d_prior, d_temperature))
-    dz = jnp.linalg.solve(_newton_matrix(w, gram, temperature, available), rhs[..., None])[..., 0]
+    dz = solve_small(_newton_matrix(w, gram, temperature, available), rhs)
     dw = jnp.where(available, w * (dz - jnp.sum(w * dz, axis=-1, keepdims=True)), 0.0)  # softmax's Jacobian
     return (w, residual, z), (dw, jnp.zeros_like(residual), jnp.where(available, dz, 0.0))
 
@@ -246,5 +303,6 @@ def normalised_entropy(weights: Float[Array, "*batch scales"], available: Bool[A
     return jnp.where(choice, entropy / jnp.log(jnp.where(choice, count, 2).astype(weights.dtype)), 0.0)
 
 
-__all__ = ["FLOOR", "combine", "gate_weights", "masked_softmax", "nash_weights", "normalised_entropy",
-           "normalised_outputs", "prior_weights", "scale_game", "solve_equilibrium"]
+__all__ = ["FLOOR", "combine", "gate_weights", "largest_eigenvalue", "masked_softmax", "nash_weights",
+           "normalised_entropy", "normalised_outputs", "prior_weights", "scale_game", "solve_equilibrium",
+           "solve_small"]
