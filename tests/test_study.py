@@ -276,7 +276,7 @@ def test_ablation_sweeps_selects_resumes_after_sigterm_and_skips_finished_runs(t
     assert mhc["equal_flops"]["delta"][0] == pytest.approx(np.mean(
         [r["equal_flops_bits_per_byte"] - base[r["seed"]]["bits_per_byte"] for r in mine]))
     table = (published / "results.md").read_text()
-    assert "python -m nash_mhc.study ablation" in table
+    assert "python -m nash_mhc.study ablation" in table and "\nCode: commit " in table
     assert table.index("Selection rule") < table.index("## Results") < table.index("| mhc / full |")
     assert "read mid-schedule, before its learning rate has decayed" in table and "an **estimate**" in table
     figure = published / "ablation.png"
@@ -354,6 +354,7 @@ def test_scaling_fits_a_power_law_resumes_after_sigterm_and_skips_finished_runs(
     assert fit["b"] == pytest.approx(want.slope) and fit["points"] == 3 and results["crossings"] == {}
     text = (out / "report.md").read_text()
     assert "python -m nash_mhc.study scaling" in text and "| plain / full | 3 |" in text
+    assert "\nCode: commit " in text and json.loads((out / "results.json").read_text())["machine"]["commit"]
     assert "non-embedding parameter" in text and "an **estimate**" in text
     assert (out / "scaling.png").read_bytes()[:4] == PNG
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("result.json")}
@@ -392,6 +393,7 @@ def test_stability_runs_every_mode_end_to_end_and_skips_finished_runs(tmp_path, 
     assert summary["mhc"]["colsum_dev_200_final"] == max(mhc_final["colsum_dev_200"])
     assert summary["hc"]["final_loss"] == np.mean(runs["hc"]["loss"][-1:])  # the last 10 % of 6 steps: 1 step
     report_md = (out / "report.md").read_text()
+    assert "\nCode: commit " in report_md
     assert "python -m nash_mhc.study stability" in report_md and "- **hc**: 0 of 1 runs diverged" in report_md
     assert "the backward gain of mhc is at most n = 4" in report_md and "arXiv 2512.24880" in report_md
     assert "col-sum dev, 200 it." in report_md and "mean over tokens" in report_md

@@ -1,10 +1,12 @@
-"""What a study writes: results.json, a markdown report headed by the command, machine and wall time."""
+"""What a study writes: results.json, a markdown report headed by the command, machine, code commit and wall
+time."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +26,26 @@ def report_dir(args: argparse.Namespace) -> Path:
 
 
 def machine(devices: str | None = None) -> dict[str, Any]:
-    """Where the study ran: OS, Python, CPU cores and (when known) the training program's device line."""
+    """Where the study ran: OS, Python, CPU cores, the code's commit and (when known) the training program's
+    device line."""
     return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "devices": devices}
+            "devices": devices, "commit": code_commit()}
+
+
+def code_commit() -> str:
+    """The git commit of the nash_mhc package that runs (short hash), naming its files that differ from it;
+    "unknown (not a git checkout)" for an installed package."""
+    package = Path(__file__).resolve().parents[1]
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=package, capture_output=True, text=True, check=True).stdout
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        changed = git("status", "--porcelain", "--", ".").splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    files = sorted(line[3:] for line in changed)
+    return f"{commit} with uncommitted changes to {', '.join(files)}" if files else commit
 
 
 def device_line(logs: list[Path]) -> str | None:
@@ -45,7 +64,7 @@ def header(title: str, args: argparse.Namespace, info: dict[str, Any], wall_line
         lines += [args.note, ""]
     devices = f", devices: {info['devices']}" if info.get("devices") else ""
     lines += [f"Machine: {info['platform']}, Python {info['python']}, {info['cpu_count']} CPU cores{devices}.",
-              wall_line, ""]
+              f"Code: commit {info.get('commit') or code_commit()}.", wall_line, ""]
     return lines
 
 
