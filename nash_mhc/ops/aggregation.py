@@ -111,7 +111,7 @@ def largest_eigenvalue(gram: jax.Array, available: jax.Array) -> jax.Array:
     are those of B = U^T C U, U an orthonormal basis of the complement of 1 (u1 = (1, -1, 0) / sqrt 2, u2 =
     (1, 1, -2) / sqrt 6): lambda_max = tr(B) / 2 + sqrt(((B11 - B22) / 2)^2 + B12^2), a sum of squares under the
     root (no cancellation). Elementwise over positions, so on a TPU the positions stay in the vector lanes; a
-    batched ``eigvalsh`` of 3 x 3 matrices costs the TPU about 1,700 times as much (the compiler's estimate,
+    batched ``eigvalsh`` of 3 x 3 matrices costs the TPU about 1,300 times as much (the compiler's estimate,
     docs/tpu.md), on CPU a LAPACK call per matrix. Where the two eigenvalues are equal (C = 0 included) the
     gradient is that of tr(C) / 2, a subgradient. L > 3: ``eigvalsh``.
     """
