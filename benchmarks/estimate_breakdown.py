@@ -22,19 +22,7 @@ def breakdown(text: str) -> list[tuple[int, int, int, str, bool, str, str]]:
     """(cycles per step, times per step, cycles once, kind, matmul, result type, name) of every costed
     operation, largest first."""
     computations, entry = estimate.parse_hlo(text)
-    times: collections.Counter[str] = collections.Counter()
-
-    def walk(name: str, count: int) -> None:
-        times[name] += count
-        for op in computations[name]:
-            if op.op == "while":
-                trips = estimate.trip_count(computations, op, computations[name])
-                walk(op.attr("body"), count * trips)
-                walk(op.attr("condition"), count * (trips + 1))
-            elif op.op == "call":
-                walk(op.attr("to_apply") or op.attr("calls"), count)
-
-    walk(entry, 1)
+    times, _ = estimate.multiplicities(computations, entry)
     has_matmul = estimate._matmul_finder(computations)
     rows = [(count * op.cycles, count, op.cycles, estimate._kind(computations, op), has_matmul(op), op.type, op.name)
             for name, count in times.items() for op in computations[name] if op.cycles]

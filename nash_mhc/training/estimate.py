@@ -28,6 +28,7 @@ update. Logical (unpadded) sizes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import re
@@ -127,9 +128,8 @@ def trip_count(computations: dict[str, list[Instruction]], loop: Instruction,
 
     Its condition must compare one tuple element (the counter) with a constant; the counter's initial value
     must be a constant in the while's operand tuple (0 is assumed when it cannot be found: JAX's loops count
-    from 0) and the body must add a constant to it (1 assumed likewise). A condition that ands such a
-    comparison with others (the Nash solver's ``i < max_iters & residual > tol``) counts the comparison's trip
-    count, the most the loop can run: the estimate of a converging loop is an upper bound.
+    from 0) and the body must add a constant to it (1 assumed likewise). A condition that ands it with other
+    tests (the Nash solver's ``i < max_iters & residual > tol``) counts its most iterations, an upper bound.
     """
     condition = computations[loop.attr("condition")]
     names = {i.name: i for i in condition}
@@ -137,13 +137,9 @@ def trip_count(computations: dict[str, list[Instruction]], loop: Instruction,
     if root.op != "and":
         return _compare_trip_count(computations, loop, owner, names, root)
     bounds = []
-    for operand in root.operands:
-        compare = names.get(operand)
-        if compare is not None and compare.op == "compare":
-            try:
-                bounds.append(_compare_trip_count(computations, loop, owner, names, compare))
-            except EstimateError:
-                continue  # a data-dependent test (a residual against a tolerance) bounds nothing
+    for part in (names[o] for o in root.operands if o in names):
+        with contextlib.suppress(EstimateError):  # a data-dependent test (residual > tol) bounds nothing
+            bounds.append(_compare_trip_count(computations, loop, owner, names, part))
     if not bounds:
         raise EstimateError(f"loop {loop.name}: no part of its condition compares a counter with a constant")
     return min(bounds)
@@ -270,11 +266,12 @@ class StepCost:
         return self.cycles / clock_hz
 
 
-def step_cost(hlo_text: str) -> StepCost:
-    """The per-step cost of an optimised TPU HLO module (``compiled.as_text()``)."""
-    computations, entry = parse_hlo(hlo_text)
+def multiplicities(computations: dict[str, list[Instruction]], entry: str
+                   ) -> tuple[collections.Counter[str], list[tuple[str, int, int]]]:
+    """({computation: times it runs per step, loops counted by their trip counts}, the loops as (while
+    instruction, trip count, times the loop itself runs)), from the entry computation ``entry``."""
     multiplicity: collections.Counter[str] = collections.Counter()
-    loops = []
+    loops: list[tuple[str, int, int]] = []
 
     def walk(name: str, times: int) -> None:
         multiplicity[name] += times
@@ -291,6 +288,13 @@ def step_cost(hlo_text: str) -> StepCost:
                 walk(instruction.attr("to_apply") or instruction.attr("calls"), times)
 
     walk(entry, 1)
+    return multiplicity, loops
+
+
+def step_cost(hlo_text: str) -> StepCost:
+    """The per-step cost of an optimised TPU HLO module (``compiled.as_text()``)."""
+    computations, entry = parse_hlo(hlo_text)
+    multiplicity, loops = multiplicities(computations, entry)
     cycles = once = hbm = collective = uncosted_bytes = matmul = 0
     has_matmul = _matmul_finder(computations)
     uncosted: collections.Counter[str] = collections.Counter()
@@ -392,5 +396,5 @@ def estimate_lines(report: Any) -> list[str]:
     ]
 
 
-__all__ = ["CLOCK_HZ", "EstimateError", "Instruction", "StepCost", "StepEstimate", "array_bytes",
-           "compiled_step_cost", "estimate_lines", "parse_hlo", "step_cost", "step_estimate", "trip_count"]
+__all__ = ["CLOCK_HZ", "EstimateError", "Instruction", "StepCost", "StepEstimate", "array_bytes", "compiled_step_cost",
+           "estimate_lines", "multiplicities", "parse_hlo", "step_cost", "step_estimate", "trip_count"]
