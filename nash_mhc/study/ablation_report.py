@@ -113,9 +113,7 @@ def write_outputs(args: argparse.Namespace, settings: Any, variants: list[str], 
 
     tokens = S * settings.batch_size * settings.seq_len
     lines = report.header("Ablation: each variant at its own learning rate, bits per byte at equal tokens and "
-                          "equal FLOPs", args, info,
-                          f"Wall time: {report.duration(total_s)} summed over the runs ({len(results)} of "
-                          f"{runs_total} finished{'' if complete else '; rerun the command to continue'}).")
+                          "equal FLOPs", args, info, total_s, len(results), runs_total)
     lines += ["## Design (fixed in code before the runs)", "",
               f"- **Selection rule.** {SELECTION_RULE} Learning rates: "
               f"{', '.join(f'{lr:g}' for lr in args.learning_rates)}; seeds {', '.join(map(str, args.seeds))} "

@@ -58,7 +58,11 @@ def device_line(logs: list[Path]) -> str | None:
     return None
 
 
-def header(title: str, args: argparse.Namespace, info: dict[str, Any], wall_line: str) -> list[str]:
+def header(title: str, args: argparse.Namespace, info: dict[str, Any], wall_s: float, finished: int,
+           total: int) -> list[str]:
+    """The report's first lines: title, command, note, machine, commit and the runs' summed wall time."""
+    rerun = "" if finished == total else "; rerun the command to continue"
+    wall_line = f"Wall time: {duration(wall_s)} summed over the runs ({finished} of {total} finished{rerun})."
     lines = [f"# {title}", "", "Produced by:", "", "```bash", args.command_line, "```", ""]
     if args.note:
         lines += [args.note, ""]

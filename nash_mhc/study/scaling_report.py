@@ -97,9 +97,8 @@ def write_outputs(args: argparse.Namespace, settings: Any, runs: list[Any], budg
         "planned": [{"variant": r.variant, "size": r.size, **budgets[r]} for r in runs], "runs": finished})
     plots.scaling_figure(finished, fitted, args.variants, out / "scaling.png")
 
-    lines = report.header("Scaling: held-out bits per byte against training FLOPs", args, info,
-                          f"Wall time: {report.duration(total_s)} summed over the runs ({len(results)} of {len(runs)}"
-                          f" finished{'' if complete else '; rerun the command to continue'}).")
+    lines = report.header("Scaling: held-out bits per byte against training FLOPs", args, info, total_s,
+                          len(results), len(runs))
     lines += [f"Every run: preset `{settings.model}` with the size's width, layers and heads, sequence length "
               f"{settings.seq_len}, {settings.batch_size} sequences per step, "
               f"{settings.tokens_per_param:g} training tokens per non-embedding parameter (every parameter but the "

@@ -213,8 +213,7 @@ def write_outputs(args: argparse.Namespace, settings: Settings, runs: list[Run],
 
     width = settings.d_model or ModelConfig.preset(settings.model).d_model
     lines = report.header("Stability: composite residual gains, loss and gradient norm over depth", args, info,
-                          f"Wall time: {report.duration(total_s)} summed over the runs ({len(results)} of "
-                          f"{len(runs)} finished).")
+                          total_s, len(results), len(runs))
     lines += [f"Every run: preset `{settings.model}` at width {width} with {ATTENTION_LABELS[settings.attention]} "
               f"attention, {settings.steps} steps x "
               f"{settings.batch_size} sequences, warmup {settings.warmup_steps}, weight decay "
