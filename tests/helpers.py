@@ -1,4 +1,5 @@
-"""Helpers the test modules share: the repository root, subprocess environments, a checkpoint without a run."""
+"""Helpers the test modules share: the repository root, subprocess environments, a checkpoint without a run,
+a few train steps."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from nash_mhc.training import train_step
 from nash_mhc.training.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,3 +34,12 @@ def write_checkpoint(directory: Path, step: int, state: Any, model_config: Any, 
     checkpointer.wait()
     checkpointer.close()
     return meta
+
+
+def run_steps(state: Any, batches: list[Any]) -> tuple[Any, list[float]]:
+    """(the state after one ``train_step`` per batch, each step's loss)."""
+    losses = []
+    for batch in batches:
+        state, metrics = train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses

@@ -13,11 +13,11 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import write_checkpoint
+from helpers import run_steps, write_checkpoint
 
 from nash_mhc import LanguageModel, ModelConfig, TrainConfig, make_mesh
 from nash_mhc.decoding import decode_step, init_cache
-from nash_mhc.training import Batch, init_train_state, train_step
+from nash_mhc.training import Batch, init_train_state
 from nash_mhc.training.checkpoint import Checkpointer
 
 BF16_UNIT_ROUNDOFF = 2.0**-9  # 8 significant bits
@@ -248,10 +248,7 @@ def test_bfloat16_training_follows_the_float32_loss_curve_on_a_sharded_mesh():
     curves = {}
     for dtype in ("float32", "bfloat16"):
         state = init_train_state(STEP_MODEL.replace(dtype=dtype), train, mesh, key=jax.random.key(0))
-        losses = []
-        for tokens in batches:
-            state, metrics = train_step(state, Batch(tokens=tokens))
-            losses.append(float(metrics["loss"]))
+        _, losses = run_steps(state, [Batch(tokens=tokens) for tokens in batches])
         curves[dtype] = np.array(losses)
     f32, bf16 = curves["float32"], curves["bfloat16"]
     assert np.all(np.isfinite(bf16)) and f32[0] - f32[-1] > 0.5  # the curve moves
@@ -270,19 +267,12 @@ def test_bfloat16_grouped_remat_resume_is_bit_identical(tmp_path):
     train = TrainConfig(batch_size=8, learning_rate=3e-3, warmup_steps=2, total_steps=STEPS)
     batches = [Batch(tokens=tokens) for tokens in learnable_batches()[:4]]
 
-    def run(state, steps):
-        losses = []
-        for batch in steps:
-            state, metrics = train_step(state, batch)
-            losses.append(float(metrics["loss"]))
-        return state, losses
-
-    straight, straight_losses = run(init_train_state(model, train, mesh, key=jax.random.key(0)), batches)
-    first, first_losses = run(init_train_state(model, train, mesh, key=jax.random.key(0)), batches[:2])
+    straight, straight_losses = run_steps(init_train_state(model, train, mesh, key=jax.random.key(0)), batches)
+    first, first_losses = run_steps(init_train_state(model, train, mesh, key=jax.random.key(0)), batches[:2])
     write_checkpoint(tmp_path / "run", 2, first, model, train)
     fresh = init_train_state(model, train, mesh, key=jax.random.key(1))  # other values, same shardings
     reader = Checkpointer(tmp_path / "run", read_only=True)
-    resumed, resumed_losses = run(reader.restore(2, fresh), batches[2:])
+    resumed, resumed_losses = run_steps(reader.restore(2, fresh), batches[2:])
     reader.close()
     assert first_losses + resumed_losses == straight_losses
     for a, b in zip(jax.tree.leaves(eqx.filter(straight, eqx.is_array)),

@@ -169,19 +169,27 @@ def randomised_lite(hc, seed: int):
                        tuple(jnp.asarray(v, jnp.float32) for v in values))
 
 
+def connection_on_random_streams(hc, seed: int):
+    """(x, the connection's output, its H_res, the float64 reference output given the reference coefficients)
+    for random streams x [7, n, dim] (seed ``seed``) through the block tanh(u @ w) (w from seed + 1)."""
+    n = hc.b_pre.shape[0]
+    dim = hc.norm.weight.shape[0] // n
+    x = normal(seed, (7, n, dim))
+    w = normal(seed + 1, (dim, dim), dim**-0.5)
+    got, h_res = hc(jnp.asarray(x), lambda u: jnp.tanh(u @ jnp.asarray(w)))
+    return x, got, h_res, lambda coefficients: ref.connection(x, coefficients,
+                                                               lambda u: np.tanh(u @ w.astype(np.float64)))
+
+
 def test_mhc_lite_connection_matches_reference():
     """mHC-lite's H_res (the n! permutation matrices' convex combination) and the connection, against the literal
     float64 construction of tests/reference.py."""
     hc = randomised_lite(random_block(residual="mhc-lite").attn_hc, seed=40)
     assert hc.mode == "mhc-lite" and hc.b_perm.shape == (24,)
-    n = hc.b_pre.shape[0]
-    dim = hc.norm.weight.shape[0] // n
-    x = normal(41, (7, n, dim))
-    w = normal(42, (dim, dim), dim**-0.5)
-    got, h_res = hc(jnp.asarray(x), lambda u: jnp.tanh(u @ jnp.asarray(w)))
+    x, got, h_res, reference_connection = connection_on_random_streams(hc, seed=41)
     coefficients = ref.mhc_lite_coefficients(x, hc.norm.weight, hc.phi, hc.alpha, hc.b_pre, hc.b_post, hc.b_perm,
                                              eps=hc.norm.eps)
-    want = ref.connection(x, coefficients, lambda u: np.tanh(u @ w.astype(np.float64)))
+    want = reference_connection(coefficients)
     # H_res: a float32 Φ projection (256 terms) and a 24-way softmax, entries of order 1/24 to 1
     assert_close(h_res, coefficients[2], atol=2e-6)
     assert_close(got, want, atol=1e-5)  # as the mhc connection below
@@ -190,14 +198,10 @@ def test_mhc_lite_connection_matches_reference():
 def test_mhc_connection_matches_reference(layer):
     hc = randomised_mhc(layer.attn_hc, seed=22)
     assert hc.mode == "mhc"
-    n = hc.b_pre.shape[0]
-    dim = hc.norm.weight.shape[0] // n
-    x = normal(23, (7, n, dim))
-    w = normal(24, (dim, dim), dim**-0.5)
-    got, h_res = hc(jnp.asarray(x), lambda u: jnp.tanh(u @ jnp.asarray(w)))
+    x, got, h_res, reference_connection = connection_on_random_streams(hc, seed=23)
     coefficients = ref.mhc_coefficients(x, hc.norm.weight, hc.phi, hc.alpha, hc.b_pre, hc.b_post, hc.b_res,
                                         eps=hc.norm.eps, sinkhorn_iters=hc.sinkhorn_iters)
-    want = ref.connection(x, coefficients, lambda u: np.tanh(u @ w.astype(np.float64)))
+    want = reference_connection(coefficients)
     # H_res: float32 Φ projection (256 terms), then Sinkhorn as in test_sinkhorn_matches_reference
     assert_close(h_res, coefficients[2], atol=2e-6)
     # X: an n-term mix of order-1 streams plus H_post ⊗ y (y from a 64-term matmul), carrying the H_res error

@@ -431,7 +431,7 @@ def test_mhc_lite_with_the_gate_shards_like_one_device_and_resumes_bit_identical
     """The two new modes together: 4 steps on (2, 2, 2) match one device as the default mode's do, and 2 steps,
     a checkpoint, a restore into a fresh state and 2 more steps give bit-identical losses and parameters."""
     needs_8_devices()
-    from helpers import write_checkpoint
+    from helpers import run_steps, write_checkpoint
 
     from nash_mhc.training.checkpoint import Checkpointer
 
@@ -444,23 +444,16 @@ def test_mhc_lite_with_the_gate_shards_like_one_device_and_resumes_bit_identical
     batches = make_batches()[:4]
     base = init_train_state(config, train, mesh_for((1, 1, 1)), key=jax.random.key(0))
 
-    def run(state, steps):
-        losses = []
-        for batch in steps:
-            state, m = train_step(state, batch)
-            losses.append(float(m["loss"]))
-        return state, losses
-
-    one, one_losses = run(reshard_state(base, mesh_for((1, 1, 1))), batches)
-    many, many_losses = run(reshard_state(base, mesh_for((2, 2, 2))), batches)
+    one, one_losses = run_steps(reshard_state(base, mesh_for((1, 1, 1))), batches)
+    many, many_losses = run_steps(reshard_state(base, mesh_for((2, 2, 2))), batches)
     np.testing.assert_allclose(many_losses, one_losses, rtol=1e-5)
     for a, b in zip(host(many.model), host(one.model), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
-    first, first_losses = run(reshard_state(base, mesh_for((1, 1, 1))), batches[:2])
+    first, first_losses = run_steps(reshard_state(base, mesh_for((1, 1, 1))), batches[:2])
     write_checkpoint(tmp_path / "run", 2, first, config, train)
     fresh = init_train_state(config, train, mesh_for((1, 1, 1)), key=jax.random.key(1))
     reader = Checkpointer(tmp_path / "run", read_only=True)
-    resumed, resumed_losses = run(reader.restore(2, fresh), batches[2:])
+    resumed, resumed_losses = run_steps(reader.restore(2, fresh), batches[2:])
     reader.close()
     assert first_losses + resumed_losses == one_losses
     for a, b in zip(host(resumed), host(one), strict=True):
