@@ -116,9 +116,9 @@ def largest_eigenvalue(gram: jax.Array, available: jax.Array) -> jax.Array:
     gradient is that of tr(C) / 2, a subgradient. L > 3: ``eigvalsh``.
     """
     size = gram.shape[-1]
-    trace = jnp.trace(gram, axis1=-2, axis2=-1)
     if size > 3:
         return jnp.linalg.eigvalsh(gram)[..., -1]
+    trace = jnp.trace(gram, axis1=-2, axis2=-1)
     if size < 3:
         return trace
     c = [[gram[..., i, j] for j in range(3)] for i in range(3)]
