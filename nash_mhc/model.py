@@ -24,7 +24,7 @@ from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.matmul import f32_einsum
 from nash_mhc.ops.multiscale import choice_mask
 from nash_mhc.params import ROLES, declared_parameters, map_declared, param, stacked
-from nash_mhc.sharding import constrain_batch
+from nash_mhc.sharding import constrain_batch, gather_fsdp
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -259,7 +259,7 @@ class LanguageModel(eqx.Module):
         params = matmul_weights_in_compute_dtype(params, c.dtype)
 
         def layer(x: jax.Array, block_params: Block) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-            block = eqx.combine(block_params, static)
+            block = eqx.combine(gather_fsdp(block_params), static)
             x, stats = block(x)
             diag = jnp.mean(jnp.diagonal(stats.res, axis1=-2, axis2=-1), axis=(0, 2, 3))
             ys = (stats.entropy, jnp.mean(stats.weights, axis=1), jnp.max(stats.nash_residual, axis=1), diag)

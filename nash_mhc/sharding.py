@@ -36,7 +36,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
@@ -200,7 +200,7 @@ def _as_tuple(axes: Axes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def logical_spec(logical: Sequence[str], shape: Sequence[int], mesh: Mesh, path: str = ""
+def logical_spec(logical: Sequence[str], shape: Sequence[int], mesh: Mesh | AbstractMesh, path: str = ""
                  ) -> tuple[P, list[ShardingFallback]]:
     """PartitionSpec of a leaf whose dimensions have the logical names ``logical`` (and the divisibility
     fallbacks taken; ``path`` names the leaf in them)."""
@@ -267,6 +267,44 @@ def constrain(tree: PyTree, mesh: Mesh) -> PyTree:
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, _spec(path, leaf, logical, mesh, False)[1]))
 
     return map_declared(apply, tree)
+
+
+def gather_fsdp(params: PyTree) -> PyTree:
+    """One layer's parameters constrained to their specs without the fsdp axis (inside jit, under the ambient
+    mesh): FSDP's just-in-time all-gather, written down instead of left to the compiler.
+
+    Without it the TPU compiler contracts ``x [tokens, d_model] @ w [d_model/fsdp, F]`` as a windowed
+    ("collective") matmul: it passes the weight's shards around the ring and adds each shard's partial product
+    into the full ``[tokens, F]`` output, reading and writing that activation-sized buffer once per step of the
+    ring. Gathering the weight (a few MB per layer) and running one local matmul moves a fraction of those bytes;
+    in the backward pass the gather's transpose is the reduce-scatter of the weight gradient. ``params`` holds
+    unstacked leaves (one layer, inside the layer scan).
+
+    Only the matmul weights (role ``cast_once``) split over fsdp are constrained. The small coefficient and
+    kernel leaves are left to the compiler: constraining the multiscale downsampling kernels ``attn.down`` the
+    same way changed the loss on the CPU backend's (data 2, fsdp 2, tp 2) mesh (5.5667 → 5.5612 nats in
+    tests/test_step.py's first step), which a sharding constraint must never do. Values never change; the
+    identity without an ambient mesh or with fsdp = 1.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or FSDP not in mesh.axis_names or mesh.shape[FSDP] == 1:
+        return params
+
+    def drop_fsdp(entry: Axes) -> Axes:
+        kept = tuple(a for a in _as_tuple(entry) if a != FSDP)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    def apply(path: str, leaf: Any, decl: Any, logical: tuple[str, ...] | None) -> Any:
+        if decl is None or not decl.role.cast_once or not _is_array(leaf):
+            return leaf
+        spec, _ = logical_spec(logical, leaf.shape, mesh, path)
+        if FSDP not in str(spec):
+            return leaf
+        gathered = [drop_fsdp(e) for e in spec]
+        while gathered and gathered[-1] is None:
+            gathered.pop()
+        return jax.lax.with_sharding_constraint(leaf, P(*gathered))
+    return map_declared(apply, params)
 
 
 def sharding_fallbacks(model: PyTree, mesh: Mesh) -> list[ShardingFallback]:
@@ -348,8 +386,8 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
 
 __all__ = [
     "AXES", "AXIS_TYPE", "BATCH_AXES", "LOGICAL_AXIS_RULES", "MeshConfig", "MeshError", "ShardingFallback",
-    "batch_shards", "batch_spec", "constrain", "constrain_batch", "describe_mesh", "logical_spec", "make_mesh",
-    "mesh_axes", "named_shardings",
+    "batch_shards", "batch_spec", "constrain", "constrain_batch", "describe_mesh", "gather_fsdp", "logical_spec",
+    "make_mesh", "mesh_axes", "named_shardings",
     "partition_specs", "path_str", "resolve_mesh_shape", "shard_batch", "sharding_fallbacks",
     "sharding_summary", "valid_mesh_shapes",
 ]

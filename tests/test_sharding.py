@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nash_mhc import ModelConfig
-from nash_mhc.model import LanguageModel
+from nash_mhc.model import Block, LanguageModel
 from nash_mhc.params import UndeclaredParameter, declared_parameters, param
 from nash_mhc.sharding import (
     AXES,
@@ -294,10 +294,34 @@ def test_model_pins_the_batch_dimension_of_its_matmul_outputs_under_a_mesh():
     rows, heads = 8 * c.seq_len, c.num_heads
     pinned = {shape for shape, spec in found
               if spec == P(("data", "fsdp"), *[P.UNCONSTRAINED] * (len(shape) - 1))}
-    assert {shape for shape, _ in found} == pinned
+    gathered = [(shape, spec) for shape, spec in found if shape not in pinned]
+    assert gathered and all("fsdp" not in str(spec) for _, spec in gathered)  # the weights' gathers (below)
     for shape in [(rows, c.ffn_hidden), (rows, c.d_model), (8, c.seq_len, heads, c.d_model // heads),
                   (8, c.seq_len, c.d_model), (8, c.seq_len, c.num_streams, c.d_model)]:
         assert shape in pinned, shape
+
+
+def test_each_layer_gathers_its_weights_over_fsdp_and_keeps_tp():
+    """Inside the layer scan every matmul weight of the block (attention, FFN; all split over fsdp on d_model) is
+    constrained once to its sharding without fsdp (the just-in-time all-gather of FSDP, instead of the
+    compiler's windowed matmul over weight shards), tensor-parallel splits kept: the FFN weights [d_model, F]
+    become P(None, "tp"), [F, d_model] P("tp")."""
+    needs_8_devices()
+    c = ModelConfig.preset("tiny", **SHARDABLE, dtype="bfloat16")
+    model = LanguageModel(c, key=jax.random.key(0))
+    tokens = jnp.zeros((8, c.seq_len), jnp.int32)
+    with jax.sharding.use_abstract_mesh(make_mesh(1, 4, 2).abstract_mesh):
+        found = sharding_constraints(jax.make_jaxpr(model)(tokens))
+    weights = [(shape, spec) for shape, spec in found if not spec or spec[0] != ("data", "fsdp")]
+    block_params = declared_parameters(Block(c, key=jax.random.key(0)))  # one layer's parameters
+    matmul = [tuple(leaf.shape) for _, leaf, decl in block_params if decl.role.name == "matmul"]
+    assert len(matmul) == 7 and sorted(shape for shape, _ in weights) == sorted(matmul)  # q k v o gate up down
+    assert all("fsdp" not in str(spec) for _, spec in weights)
+    specs = dict(weights)
+    assert specs[(c.d_model, c.ffn_hidden)] == P(None, "tp")
+    assert specs[(c.ffn_hidden, c.d_model)] == P("tp")
+    with jax.sharding.use_abstract_mesh(make_mesh(8, 1, 1).abstract_mesh):  # no fsdp: nothing to gather
+        assert all(spec[0] == ("data", "fsdp") for _, spec in sharding_constraints(jax.make_jaxpr(model)(tokens)))
 
 
 def test_train_step_traces_the_model_under_its_mesh():
