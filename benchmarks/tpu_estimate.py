@@ -34,7 +34,9 @@ SLICES = ["v5e-8", "v6e-8", "v4-32"]
 VARIANTS = {"plain+full": ["--residual", "plain", "--attention", "full"],
             "mhc+full": ["--residual", "mhc", "--attention", "full"],
             "mhc+multiscale+nash": ["--residual", "mhc", "--attention", "multiscale", "--aggregation", "nash"]}
-MEMORY_FLAGS = ["--remat", "full", "--remat-group", "4", "--loss-chunks", "8"]
+def memory_flags(remat_group: int) -> list[str]:
+    """The fit table's memory flags, with layers rematerialised in groups of ``remat_group``."""
+    return ["--remat", "full", "--remat-group", str(remat_group), "--loss-chunks", "8"]
 
 
 def fit_batches(path: Path) -> dict[tuple[str, str], int]:
@@ -60,23 +62,23 @@ def commit() -> str:
         return "unknown"
 
 
-def flags(preset: str, slice_name: str, variant: str, per_chip: int) -> list[str]:
+def flags(preset: str, slice_name: str, variant: str, per_chip: int, remat_group: int = 4) -> list[str]:
     """The training program's flags of one table entry (its --compile-only command, less --topology)."""
     from nash_mhc.training.fit import resolve_topology
 
     chips = resolve_topology(slice_name).chips
-    return ["--model", preset, *VARIANTS[variant], *MEMORY_FLAGS, "--batch-size", str(per_chip * chips),
+    return ["--model", preset, *VARIANTS[variant], *memory_flags(remat_group), "--batch-size", str(per_chip * chips),
             "--mesh-data", "1", "--mesh-fsdp", str(chips), "--mesh-tp", "1"]
 
 
 def compile_once(preset: str, slice_name: str, variant: str, per_chip: int, label: str,
-                 hlo_dir: Path | None) -> dict:
+                 hlo_dir: Path | None, remat_group: int = 4) -> dict:
     import jax
 
     from nash_mhc import train as train_program
     from nash_mhc.training import estimate, fit
 
-    argv = flags(preset, slice_name, variant, per_chip)
+    argv = flags(preset, slice_name, variant, per_chip, remat_group)
     configs, _ = train_program.configs(argv)
     original = estimate.step_cost
     if hlo_dir is not None:  # keep the optimised HLO the estimate reads
@@ -144,15 +146,16 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
     return rows, missing
 
 
-def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str, label: str) -> None:
+def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str, label: str,
+              remat_group: int = 4) -> None:
     text = doc.read_text()
     if START not in text:
         raise SystemExit(f"{doc} has no {START} ... {END} markers")
     body = [START, "", f"Produced by (run label `{label}`)", "", "```bash", command, "```", "",
             f"on {machine} (no TPU: libtpu's compiler and its cost model; every figure is the compiler's estimate, "
             "not a measurement). Each row is one `--compile-only` of the preset with the variant's `--residual` / "
-            "`--attention` flags and `" + " ".join(MEMORY_FLAGS) + "`, fsdp over every chip, at the fit table's "
-            "batch; the results file holds the exact flags, cycles and commit of each.", "",
+            "`--attention` flags and `" + " ".join(memory_flags(remat_group)) + "`, fsdp over every chip, at the fit "
+            "table's batch; the results file holds the exact flags, cycles and commit of each.", "",
             *(rows + [""] if len(rows) > 2 else [])]
     if missing:
         body += [f"No estimate yet: {', '.join(missing)}.", ""]
@@ -174,6 +177,8 @@ def main() -> None:
                         "takes another label)")
     parser.add_argument("--hlo-dir", default=None, help="keep each compiled step's optimised HLO here (gzip)")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results only")
+    parser.add_argument("--remat-group", type=int, default=4, help="layers per rematerialised group (the fit "
+                        "table's 4 by default; give the run its own --label)")
     args = parser.parse_args()
     results_path, doc = Path(args.results), Path(args.doc)
     batches = fit_batches(Path(args.fit_results))
@@ -186,12 +191,14 @@ def main() -> None:
     chosen = [f"--{name} {' '.join(value)}" for name, value, default in (
         ("presets", args.presets, PRESETS), ("slices", args.slices, SLICES), ("variants", args.variants,
                                                                              list(VARIANTS))) if value != default]
+    if args.remat_group != 4:
+        chosen.append(f"--remat-group {args.remat_group}")
     command = " ".join(["python benchmarks/tpu_estimate.py", *chosen, f"--label {args.label}"])
     machine = f"a shared {os.cpu_count()}-core AMD EPYC VM, CPU only"
 
     def refresh() -> None:
         rows, missing = table(results, PRESETS, SLICES, list(VARIANTS), batches, args.label)
-        write_doc(doc, rows, missing, command, machine, args.label)
+        write_doc(doc, rows, missing, command, machine, args.label, args.remat_group)
 
     refresh()
     if args.table_only:
@@ -204,7 +211,7 @@ def main() -> None:
                 if per_chip is None or name in results:
                     continue
                 results[name] = compile_once(preset, slice_name, variant, per_chip, args.label,
-                                             Path(args.hlo_dir) if args.hlo_dir else None)
+                                             Path(args.hlo_dir) if args.hlo_dir else None, args.remat_group)
                 results_path.parent.mkdir(parents=True, exist_ok=True)
                 with results_path.open("a") as f:
                     f.write(json.dumps(results[name]) + "\n")
