@@ -34,18 +34,21 @@ SLICES = ["v5e-8", "v6e-8", "v4-32"]
 VARIANTS = {"plain+full": ["--residual", "plain", "--attention", "full"],
             "mhc+full": ["--residual", "mhc", "--attention", "full"],
             "mhc+multiscale+nash": ["--residual", "mhc", "--attention", "multiscale", "--aggregation", "nash"]}
+FIT_REMAT_GROUP, FIT_LOSS_CHUNKS = 4, 8  # the fit table's memory settings (its batches hold for these)
+
+
 def memory_flags(remat_group: int) -> list[str]:
     """The fit table's memory flags, with layers rematerialised in groups of ``remat_group``."""
-    return ["--remat", "full", "--remat-group", str(remat_group), "--loss-chunks", "8"]
+    return ["--remat", "full", "--remat-group", str(remat_group), "--loss-chunks", str(FIT_LOSS_CHUNKS)]
 
 
 def fit_batches(path: Path) -> dict[tuple[str, str], int]:
-    """{(preset, slice): the largest per-chip batch that fits} from the fit table's results (groups of 4, 8
-    chunks)."""
+    """{(preset, slice): the largest per-chip batch that fits} from the fit table's results (at its memory
+    settings)."""
     best: dict[tuple[str, str], int] = {}
     for line in path.read_text().splitlines():
         r = json.loads(line) if line.strip() else None
-        if r and r["fits"] and r.get("remat_group", 1) == 4 and r["loss_chunks"] == 8:
+        if r and r["fits"] and r.get("remat_group", 1) == FIT_REMAT_GROUP and r["loss_chunks"] == FIT_LOSS_CHUNKS:
             best[r["preset"], r["slice"]] = max(best.get((r["preset"], r["slice"]), 0), r["per_chip"])
     return best
 
@@ -62,7 +65,7 @@ def commit() -> str:
         return "unknown"
 
 
-def flags(preset: str, slice_name: str, variant: str, per_chip: int, remat_group: int = 4) -> list[str]:
+def flags(preset: str, slice_name: str, variant: str, per_chip: int, remat_group: int) -> list[str]:
     """The training program's flags of one table entry (its --compile-only command, less --topology)."""
     from nash_mhc.training.fit import resolve_topology
 
@@ -72,7 +75,7 @@ def flags(preset: str, slice_name: str, variant: str, per_chip: int, remat_group
 
 
 def compile_once(preset: str, slice_name: str, variant: str, per_chip: int, label: str,
-                 hlo_dir: Path | None, remat_group: int = 4) -> dict:
+                 hlo_dir: Path | None, remat_group: int) -> dict:
     import jax
 
     from nash_mhc import train as train_program
@@ -147,7 +150,7 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
 
 
 def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str, label: str,
-              remat_group: int = 4) -> None:
+              remat_group: int) -> None:
     text = doc.read_text()
     if START not in text:
         raise SystemExit(f"{doc} has no {START} ... {END} markers")
@@ -177,8 +180,8 @@ def main() -> None:
                         "takes another label)")
     parser.add_argument("--hlo-dir", default=None, help="keep each compiled step's optimised HLO here (gzip)")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results only")
-    parser.add_argument("--remat-group", type=int, default=4, help="layers per rematerialised group (the fit "
-                        "table's 4 by default; give the run its own --label)")
+    parser.add_argument("--remat-group", type=int, default=FIT_REMAT_GROUP, help="layers per rematerialised group "
+                        "(the fit table's by default; give the run its own --label)")
     args = parser.parse_args()
     results_path, doc = Path(args.results), Path(args.doc)
     batches = fit_batches(Path(args.fit_results))
@@ -191,7 +194,7 @@ def main() -> None:
     chosen = [f"--{name} {' '.join(value)}" for name, value, default in (
         ("presets", args.presets, PRESETS), ("slices", args.slices, SLICES), ("variants", args.variants,
                                                                              list(VARIANTS))) if value != default]
-    if args.remat_group != 4:
+    if args.remat_group != FIT_REMAT_GROUP:
         chosen.append(f"--remat-group {args.remat_group}")
     command = " ".join(["python benchmarks/tpu_estimate.py", *chosen, f"--label {args.label}"])
     machine = f"a shared {os.cpu_count()}-core AMD EPYC VM, CPU only"
