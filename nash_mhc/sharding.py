@@ -200,10 +200,11 @@ def _as_tuple(axes: Axes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def logical_spec(logical: Sequence[str], shape: Sequence[int], mesh: Mesh | AbstractMesh, path: str = ""
-                 ) -> tuple[P, list[ShardingFallback]]:
+def logical_spec(logical: Sequence[str], shape: Sequence[int], mesh: Mesh | AbstractMesh, path: str = "",
+                 without: tuple[str, ...] = ()) -> tuple[P, list[ShardingFallback]]:
     """PartitionSpec of a leaf whose dimensions have the logical names ``logical`` (and the divisibility
-    fallbacks taken; ``path`` names the leaf in them)."""
+    fallbacks taken; ``path`` names the leaf in them). ``without``: mesh axes dropped from the spec after the
+    fallbacks (:func:`gather_fsdp`'s gathered copy of a parameter)."""
     spec, fallbacks = [], []
     for dim, (size, axes) in enumerate(zip(shape, mesh_axes(logical), strict=True)):
         wanted = _as_tuple(axes)
@@ -213,6 +214,7 @@ def logical_spec(logical: Sequence[str], shape: Sequence[int], mesh: Mesh | Abst
         if kept != wanted:
             fallbacks.append(ShardingFallback(path, dim, int(size), wanted, kept,
                                               math.prod(mesh.shape[a] for a in wanted)))
+        kept = tuple(a for a in kept if a not in without)
         spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     while spec and spec[-1] is None:
         spec.pop()
@@ -290,20 +292,13 @@ def gather_fsdp(params: PyTree) -> PyTree:
     if mesh.empty or FSDP not in mesh.axis_names or mesh.shape[FSDP] == 1:
         return params
 
-    def drop_fsdp(entry: Axes) -> Axes:
-        kept = tuple(a for a in _as_tuple(entry) if a != FSDP)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-
     def apply(path: str, leaf: Any, decl: Any, logical: tuple[str, ...] | None) -> Any:
         if decl is None or not decl.role.cast_once or not _is_array(leaf):
             return leaf
-        spec, _ = logical_spec(logical, leaf.shape, mesh, path)
-        if FSDP not in str(spec):
+        gathered, _ = logical_spec(logical, leaf.shape, mesh, path, without=(FSDP,))
+        if gathered == logical_spec(logical, leaf.shape, mesh, path)[0]:  # not split over fsdp
             return leaf
-        gathered = [drop_fsdp(e) for e in spec]
-        while gathered and gathered[-1] is None:
-            gathered.pop()
-        return jax.lax.with_sharding_constraint(leaf, P(*gathered))
+        return jax.lax.with_sharding_constraint(leaf, gathered)
     return map_declared(apply, params)
 
 
