@@ -88,9 +88,9 @@ def compile_once(preset: str, slice_name: str, variant: str, per_chip: int, labe
         hlo_dir.mkdir(parents=True, exist_ok=True)
         target = hlo_dir / f"{preset}_{slice_name}_{variant}_{per_chip}_{label}.hlo.gz"
 
-        def saving(text: str) -> estimate.StepCost:
+        def saving(text: str, device_kind: str | None = None) -> estimate.StepCost:
             target.write_bytes(gzip.compress(text.encode()))
-            return original(text)
+            return original(text, device_kind)
 
         estimate.step_cost = saving
     start = time.perf_counter()
@@ -110,7 +110,8 @@ def compile_once(preset: str, slice_name: str, variant: str, per_chip: int, labe
             "seconds": figures and figures.seconds, "tokens_per_second_per_chip":
             figures and figures.tokens_per_second_per_chip, "mfu": figures and figures.mfu,
             "cycles": cost and cost.cycles, "matmul_cycles": cost and cost.matmul_cycles,
-            "cycles_once": cost and cost.cycles_once, "hbm_bytes": cost and cost.hbm_bytes,
+            "cycles_once": cost and cost.cycles_once, "kernel_cycles": cost and cost.kernel_cycles,
+            "hbm_bytes": cost and cost.hbm_bytes,
             "collective_bytes": cost and cost.collective_bytes, "loops": cost and len(cost.loops),
             "uncosted": cost and cost.uncosted, "flops_per_token": report.flops_per_token,
             "compile_seconds": round(time.perf_counter() - start, 1),

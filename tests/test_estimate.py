@@ -64,6 +64,39 @@ def test_the_clock_puts_a_large_matmul_between_85_and_100_percent_of_the_peak(sl
     assert 0.85 <= achieved / table_peak(kind) <= 1.0, achieved / table_peak(kind)
 
 
+# ---------------------------------------------------------------------------------------- Pallas kernels
+def declared_kernel(shape_of, flops: int):
+    """A Pallas kernel (x ↦ 2x over [4096, 512] float32) declaring ``flops`` FLOPs and its operands' bytes."""
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = 2 * x_ref[...]
+
+    def f(x):
+        tile = pl.BlockSpec((256, 512), lambda i: (i, 0))
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(16,),
+                              in_specs=[tile], out_specs=tile,
+                              cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0,
+                                                            bytes_accessed=2 * x.size * 4))(x)
+    return jax.jit(f).lower(jax.ShapeDtypeStruct((4096, 512), jnp.float32, sharding=shape_of(1).sharding))
+
+
+@needs_libtpu
+@pytest.mark.parametrize("slice_name", ["v4-8", "v5e-1", "v5p-8", "v6e-1"])
+@pytest.mark.parametrize("flops", [10**6, 10**12])  # bound by its bytes, by its FLOPs
+def test_a_pallas_kernel_is_costed_at_the_roofline_libtpu_computes_from_its_declaration(slice_name, flops):
+    """The compiler gives a custom call no estimated_cycles; its ``optimal_seconds`` (a whole-program total) of a
+    program that is one kernel is libtpu's own reading of the declaration: the estimate's must agree."""
+    compiled = declared_kernel(one_chip(slice_name)[1], flops).compile()
+    kind = compiled.input_shardings[0][0].mesh.devices.flat[0].device_kind
+    text = compiled.as_text()
+    assert step_cost(text).uncosted == {"custom-call": 1}  # without a device kind: listed, not costed
+    cost = step_cost(text, kind)
+    assert cost.kernel_cycles == cost.cycles == cost.cycles_once > 0 and cost.uncosted == {}
+    assert cost.hbm_bytes == 2 * 4096 * 512 * 4
+    assert cost.seconds(CLOCK_HZ[kind]) == pytest.approx(compiled.cost_analysis()["optimal_seconds"], rel=0.01)
+
+
 # ------------------------------------------------------------------------------------ loops, small programs
 def scan_program(steps: int):
     def f(w, x):

@@ -19,6 +19,13 @@ measurement. Not in it (listed by :func:`estimate_lines`): collectives (bytes pe
 run asynchronously next to the compute), SparseCore offloads, asynchronous copies between memory spaces, and the
 few array operations without a cycle estimate (gathers and scatters; their HBM bytes are counted).
 
+Pallas kernels (``tpu_custom_call``) get no cycle estimate from the compiler; each carries the
+``CostEstimate`` its author declared (FLOPs, bytes). Given the device kind, a kernel is costed at the chip's
+roofline, ``clock x max(FLOPs / FLOP/s, bytes / HBM bytes/s)`` with libtpu's own figures (:data:`ROOFLINE`):
+the conversion its ``cost_analysis()["optimal_seconds"]`` makes of the same declaration. Its declared bytes
+count as its HBM bytes. A roofline is a lower bound on a kernel's time: :attr:`StepCost.kernel_cycles` says how much of
+an estimate rests on it.
+
 HBM bytes per step: for every scheduled operation, the bytes of its operands and result that live in HBM
 (memory space 0; VMEM ``S(1)`` and the rest are on-chip), by the same multiplicities. A fusion operand that the
 fusion only slices counts the slices' bytes; a fusion whose result is an in-place dynamic-update-slice counts the
@@ -41,6 +48,11 @@ from typing import Any
 # compiler's estimate of a large matmul reaches 483,046 FLOP per cycle, so at most 918e12 / 483046 = 1.9 GHz).
 # tests/test_estimate.py checks that a large matmul's estimate lies between 85 % and 100 % of the peak.
 CLOCK_HZ = {"TPU v4": 1.05e9, "TPU v5 lite": 1.5e9, "TPU v5": 1.75e9, "TPU v6 lite": 1.75e9}
+# (FLOP/s, HBM bytes/s) of one device in libtpu's cost model: the FLOPs and bytes per second its optimal_seconds
+# gives a Pallas kernel declaring only FLOPs or only bytes (tests/test_estimate.py checks them). v5e's and v4's
+# bandwidths are 90 % and 82 % of the vendors' 819 and 1,200 GB/s; v5p's FLOP/s are 86 % of its 459 TFLOP/s.
+ROOFLINE = {"TPU v4": (2.74e14, 9.825e11), "TPU v5 lite": (1.97e14, 7.377e11), "TPU v5": (3.94e14, 2.350e12),
+            "TPU v6 lite": (9.18e14, 1.638e12)}
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
@@ -52,6 +64,7 @@ _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\) -> .* \{$")
 _INSTRUCTION = re.compile(r"^\s+(ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_DECLARED = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"')
 
 
 class EstimateError(ValueError):
@@ -261,6 +274,7 @@ class StepCost:
     uncosted: dict[str, int]            # operations without a cycle estimate, per step, by kind
     uncosted_bytes: int                 # their HBM bytes (collectives and asynchronous copies excluded)
     cycles_once: int                    # every operation once (what cost_analysis's loop-once view adds up)
+    kernel_cycles: int = 0              # the part spent in Pallas kernels, costed at their declared roofline
 
     def seconds(self, clock_hz: float) -> float:
         return self.cycles / clock_hz
@@ -291,11 +305,25 @@ def multiplicities(computations: dict[str, list[Instruction]], entry: str
     return multiplicity, loops
 
 
-def step_cost(hlo_text: str) -> StepCost:
-    """The per-step cost of an optimised TPU HLO module (``compiled.as_text()``)."""
+def kernel_roofline(instruction: Instruction, device_kind: str | None) -> tuple[int, int, int] | None:
+    """(cycles, HBM bytes, FLOPs) of a Pallas kernel from its declared ``CostEstimate`` at the roofline of
+    ``device_kind``; None for any other operation, a kernel without a declaration, or an unknown device kind."""
+    match = _DECLARED.search(instruction.rest) if instruction.op == "custom-call" else None
+    if match is None or device_kind not in CLOCK_HZ:
+        return None
+    flops, moved = int(match.group(1)), int(match.group(2))
+    flops_per_second, bytes_per_second = ROOFLINE[device_kind]
+    seconds = max(flops / flops_per_second, moved / bytes_per_second)
+    return math.ceil(seconds * CLOCK_HZ[device_kind]), moved, flops
+
+
+def step_cost(hlo_text: str, device_kind: str | None = None) -> StepCost:
+    """The per-step cost of an optimised TPU HLO module (``compiled.as_text()``); with ``device_kind``,
+    Pallas kernels are costed at its roofline (:func:`kernel_roofline`), without it they are listed as
+    uncosted."""
     computations, entry = parse_hlo(hlo_text)
     multiplicity, loops = multiplicities(computations, entry)
-    cycles = once = hbm = collective = uncosted_bytes = matmul = 0
+    cycles = once = hbm = collective = uncosted_bytes = matmul = kernel = 0
     has_matmul = _matmul_finder(computations)
     uncosted: collections.Counter[str] = collections.Counter()
     for name, times in multiplicity.items():
@@ -312,6 +340,14 @@ def step_cost(hlo_text: str) -> StepCost:
                 continue
             if op.startswith(("copy-start", "copy-done", "call-start", "call-done", "async-", "send", "recv")):
                 uncosted["asynchronous copy" if op.startswith("copy") else "asynchronous/offloaded"] += times
+                continue
+            if (roofline := kernel_roofline(instruction, device_kind)) is not None:
+                cost, moved, flops = roofline
+                hbm += times * moved
+                cycles += times * cost
+                once += cost
+                kernel += times * cost
+                matmul += times * cost if flops else 0
                 continue
             if op == "fusion":
                 moved = _fusion_bytes(computations, instruction, types)
@@ -332,7 +368,8 @@ def step_cost(hlo_text: str) -> StepCost:
             if has_matmul(instruction):
                 matmul += times * cost
     return StepCost(cycles=cycles, matmul_cycles=matmul, hbm_bytes=hbm, collective_bytes=collective,
-                    loops=tuple(loops), uncosted=dict(uncosted), uncosted_bytes=uncosted_bytes, cycles_once=once)
+                    loops=tuple(loops), uncosted=dict(uncosted), uncosted_bytes=uncosted_bytes, cycles_once=once,
+                    kernel_cycles=kernel)
 
 
 def compiled_step_cost(compiled: Any, device_kind: str) -> tuple[StepCost | None, str | None]:
@@ -341,7 +378,7 @@ def compiled_step_cost(compiled: Any, device_kind: str) -> tuple[StepCost | None
     if device_kind not in CLOCK_HZ:
         return None, None
     try:
-        return step_cost(compiled.as_text()), None
+        return step_cost(compiled.as_text(), device_kind), None
     except EstimateError as problem:
         return None, str(problem)
 
@@ -391,10 +428,13 @@ def estimate_lines(report: Any) -> list[str]:
         f"{figures.tokens_per_second_per_chip:,.0f} tokens/s per chip{mfu}",
         f"estimate: {cost.cycles:.4g} cycles per step at {figures.clock_hz / 1e9:.2f} GHz ({len(cost.loops)} loops "
         f"counted by their trip counts; each body once: {cost.cycles_once:.4g}); per chip per step: HBM "
-        f"{cost.hbm_bytes / 2**30:.2f} GiB, collectives {cost.collective_bytes / 2**30:.2f} GiB",
+        f"{cost.hbm_bytes / 2**30:.2f} GiB, collectives {cost.collective_bytes / 2**30:.2f} GiB"
+        + (f"; Pallas kernels, costed at their declared roofline: {100 * cost.kernel_cycles / cost.cycles:.1f} % "
+           "of the cycles" if cost.kernel_cycles else ""),
         f"not in the estimate (operations per step): {skipped or 'none'}",
     ]
 
 
-__all__ = ["CLOCK_HZ", "EstimateError", "Instruction", "StepCost", "StepEstimate", "array_bytes", "compiled_step_cost",
-           "estimate_lines", "multiplicities", "parse_hlo", "step_cost", "step_estimate", "trip_count"]
+__all__ = ["CLOCK_HZ", "ROOFLINE", "EstimateError", "Instruction", "StepCost", "StepEstimate", "array_bytes",
+           "compiled_step_cost", "estimate_lines", "kernel_roofline", "multiplicities", "parse_hlo", "step_cost",
+           "step_estimate", "trip_count"]
