@@ -62,6 +62,7 @@ LOGICAL_AXIS_RULES: dict[str, Axes] = {
     "hc_rows": FSDP_TP,    # rows of the hyper-connection projection Φ (n·D for mhc, D for hc)
     "head_dim": None, "layers": None, "scales": None, "block": None, "norm": None, "streams": None,
     "hc_coeffs": None, "hc_alpha": None, "permutations": None,
+    "batch": BATCH_AXES, "seq": None,   # activations (per-shard kernels: :func:`per_shard_attention`)
 }
 
 
@@ -354,6 +355,22 @@ def constrain_batch(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *([P.UNCONSTRAINED] * (x.ndim - 1))))
 
 
+def per_shard_attention(attention: Any) -> Any:
+    """``attention(q, k, v)`` on arrays [B, T, H, K] run on each device's shard under the ambient mesh: batch
+    over ``("data", "fsdp")`` and heads over tp (as far as they divide, :func:`logical_spec`), sequence and
+    head dim whole, in ``jax.shard_map``. For an operation the partitioner cannot split itself (a Pallas
+    kernel is one opaque custom call); causal attention needs no communication under this split. Without an
+    ambient mesh, ``attention`` itself."""
+    def run(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or not all(axis in mesh.axis_names for axis in AXES):
+            return attention(q, k, v)
+        spec, _ = logical_spec(("batch", "seq", "heads", "head_dim"), q.shape, mesh)
+        return jax.shard_map(attention, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                             check_vma=False)(q, k, v)
+    return run
+
+
 def batch_shards(mesh: Mesh) -> int:
     """How many ways the batch dimension is split."""
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
@@ -382,7 +399,7 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
 __all__ = [
     "AXES", "AXIS_TYPE", "BATCH_AXES", "LOGICAL_AXIS_RULES", "MeshConfig", "MeshError", "ShardingFallback",
     "batch_shards", "batch_spec", "constrain", "constrain_batch", "describe_mesh", "gather_fsdp", "logical_spec",
-    "make_mesh", "mesh_axes", "named_shardings",
+    "make_mesh", "mesh_axes", "named_shardings", "per_shard_attention",
     "partition_specs", "path_str", "resolve_mesh_shape", "shard_batch", "sharding_fallbacks",
     "sharding_summary", "valid_mesh_shapes",
 ]

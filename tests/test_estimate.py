@@ -185,16 +185,19 @@ def compile_step(model: ModelConfig, train: TrainConfig, slice_name: str):
 @needs_libtpu
 def test_the_train_steps_loops_match_an_unrolled_compile_of_the_same_step():
     """mhc + multiscale + nash with every kind of loop (2 microbatches, 2 loss chunks, remat in groups of 2
-    layers, 3 Sinkhorn and 5 Nash iterations): the loops the estimate finds have the configured trip counts, and
-    the matmuls of the step add up to those of the fully unrolled compile within 10 % (seen: 0.5 %). The rest of
-    the scanned program costs more than the unrolled one (seen: 1.33 x): stacking the saved activations into the
-    scan's buffers and slicing the stacked weights, work the unrolled program does not do."""
+    layers, 3 Sinkhorn and 5 Nash iterations) and the flash kernels: the loops the estimate finds have the
+    configured trip counts, and the matmuls of the step add up to those of the fully unrolled compile within
+    10 % (seen: 0.5 %). The rest of the scanned program costs more than the unrolled one (seen: 1.33 x):
+    stacking the saved activations into the scan's buffers and slicing the stacked weights, work the unrolled
+    program does not do."""
     model = ModelConfig.preset("tiny", d_model=256, seq_len=256, sinkhorn_iters=3, nash_iters=5, remat="full",
                                remat_group=2)
     train = TrainConfig(batch_size=16, grad_accum_steps=2, loss_chunks=2)
-    scanned = step_cost(compile_step(model, train, "v6e-8").as_text())
+    scanned = step_cost(compile_step(model, train, "v6e-8").as_text(), "TPU v6 lite")
     with unrolled_scans():
-        flat = step_cost(compile_step(model, train, "v6e-8").as_text())
+        flat = step_cost(compile_step(model, train, "v6e-8").as_text(), "TPU v6 lite")
+    # seq 256 runs the Pallas flash kernels (forward, recomputed forward, dK/dV, dQ), costed by their declarations
+    assert scanned.kernel_cycles > 0 and flat.kernel_cycles > 0 and "custom-call" not in scanned.uncosted
     assert {trips for _, trips, _ in flat.loops} == {5}  # only the Nash solver's while loops stay (may stop early)
     assert {trips for _, trips, _ in scanned.loops} == {2, 3, 5}
     assert scanned.cycles > 2 * scanned.cycles_once  # the loops count

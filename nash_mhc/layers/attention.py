@@ -11,10 +11,28 @@ from jaxtyping import Array, Float, Int, jaxtyped
 from nash_mhc.layers.aggregation import ScaleAggregation
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
 from nash_mhc.ops.attention import causal_attention
+from nash_mhc.ops.flash_attention import flash_block, flash_causal_attention
 from nash_mhc.ops.multiscale import downsample, renormalise, upsample_shifted
 from nash_mhc.ops.rope import rope
 from nash_mhc.params import param
-from nash_mhc.sharding import constrain_batch
+from nash_mhc.sharding import constrain_batch, per_shard_attention
+
+
+def attend(q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch seq heads head_dim"],
+           v: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq heads head_dim"]:
+    """Causal attention of a batch: q, k, v [B, T, H, K] → [B, T, H, K].
+
+    Lowered for TPU, the Pallas flash kernels (:func:`nash_mhc.ops.flash_attention.flash_causal_attention`)
+    run on each device's shard (:func:`nash_mhc.sharding.per_shard_attention`), so the [T, T] scores never
+    reach HBM. Elsewhere (CPU, GPU), and where no flash block divides T, the XLA path
+    (:func:`nash_mhc.ops.attention.causal_attention` per sequence). The choice is made when the step is
+    lowered (``jax.lax.platform_dependent``), so one traced model serves every backend. Both paths compute
+    the same function with float32 scores and softmax; their rounding differs (block-wise online softmax).
+    """
+    xla = jax.vmap(causal_attention)
+    if flash_block(q.shape[1]) is None:
+        return xla(q, k, v)
+    return jax.lax.platform_dependent(q, k, v, tpu=per_shard_attention(flash_causal_attention), default=xla)
 
 
 class MultiscaleAttention(eqx.Module):
@@ -89,7 +107,7 @@ class MultiscaleAttention(eqx.Module):
     def _scale(self, level: int, x: jax.Array, v: jax.Array) -> jax.Array:
         """Attention output at one scale on its own (coarse) positions: [B, T_l, H, K]."""
         q, k = self.queries_keys(level, x)
-        return jax.vmap(causal_attention)(q, k, v)
+        return attend(q, k, v)
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, x: Float[Array, "*batch seq dim"]) -> tuple[
