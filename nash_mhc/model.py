@@ -36,13 +36,20 @@ def grouped_scan(layer: Any, x: jax.Array, params: Any, group: int) -> tuple[jax
     """``lax.scan(layer, x, params)`` as a scan over groups of ``group`` layers, each group rematerialised
     whole: the backward pass keeps the input of every group (num_layers / group states) and, while it runs
     through one group, that group's layer inputs (``group`` states). Two nested scans: compile time stays flat
-    in depth. ``params``' leaves are stacked [num_layers, ...]; the outputs come back stacked the same way."""
+    in depth. ``params``' leaves are stacked [num_layers, ...]; the outputs come back stacked the same way.
+
+    A group is its first ``group - 1`` layers scanned, then its last layer on its own: the backward pass reruns
+    a group's forward only for the layer inputs it needs, and the last layer's output is not one of them. Left
+    inside the inner scan, the last layer ran anyway (a scan computes every iteration), one layer forward per
+    group and step for nothing (seen in tests/test_estimate.py's unrolled compile, which dropped it)."""
     def regroup(a: jax.Array) -> jax.Array:
         return rearrange(a, "(groups group) ... -> groups group ...", group=group)
 
     @jax.checkpoint  # nothing inside a group is saved; its forward pass is rerun in the backward pass
     def run_group(x: jax.Array, group_params: Any) -> tuple[jax.Array, Any]:
-        return jax.lax.scan(layer, x, group_params)
+        x, ys = jax.lax.scan(layer, x, jax.tree.map(lambda a: a[:-1], group_params))
+        x, last = layer(x, jax.tree.map(lambda a: a[-1], group_params))
+        return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, last)
 
     x, ys = jax.lax.scan(run_group, x, jax.tree.map(regroup, params))
     return x, jax.tree.map(lambda a: rearrange(a, "groups group ... -> (groups group) ..."), ys)
