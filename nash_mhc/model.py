@@ -140,24 +140,32 @@ class Block(eqx.Module):
             Float[Array, "*batch seq n dim"], BlockStats]:
         """Returns (X, the attention's aggregation statistics and both sublayers' H_res).
 
-        The hyper-connections, norms and FFN are per token and run on the flattened [B·T, ...] tokens;
-        attention gets them back as [B, T, D] sequences. One sequence [T, n, D] is run as a batch of one.
+        One sequence [T, n, D] is run as a batch of one. The work is :meth:`streams_major`'s.
         """
         if x.ndim == 3:
             x, stats = self(x[None])
             return x[0], BlockStats(*(a[0] for a in stats[:3]), stats.res[:, 0])
-        batch, seq, n, dim = x.shape
+        xs, stats = self.streams_major(rearrange(x, "b t n d -> n b t d"))
+        return rearrange(xs, "n b t d -> b t n d"), stats
+
+    def streams_major(self, xs: Float[Array, "n batch seq dim"]) -> tuple[Float[Array, "n batch seq dim"], BlockStats]:
+        """:meth:`__call__` on the streams-major state [n, B, T, D] that the model's layer scan carries.
+
+        The hyper-connections, norms and FFN are per token and run on the flattened [n, B·T, D] tokens;
+        attention gets them back as [B, T, D] sequences.
+        """
+        n, batch, seq, dim = xs.shape
         found = {}
 
         def attention(u: jax.Array) -> jax.Array:
             y, *found["stats"] = self.attn(rearrange(self.attn_norm(u), "(b t) d -> b t d", b=batch))
             return rearrange(y, "b t d -> (b t) d")
 
-        tokens = rearrange(x, "b t n d -> (b t) n d")
-        tokens, res_attn = self.attn_hc(tokens, attention)
-        tokens, res_ffn = self.ffn_hc(tokens, lambda u: self.ffn(self.ffn_norm(u)))
+        tokens = rearrange(xs, "n b t d -> n (b t) d")
+        tokens, res_attn = self.attn_hc.streams_major(tokens, attention)
+        tokens, res_ffn = self.ffn_hc.streams_major(tokens, lambda u: self.ffn(self.ffn_norm(u)))
         res = rearrange(jnp.stack([res_attn, res_ffn]), "s (b t) i j -> s b t i j", b=batch)
-        return (constrain_batch(rearrange(tokens, "(b t) n d -> b t n d", b=batch)),
+        return (constrain_batch(rearrange(tokens, "n (b t) d -> n b t d", b=batch), dim=1),
                 BlockStats(*found["stats"], res))
 
 
@@ -261,13 +269,13 @@ class LanguageModel(eqx.Module):
             raise ValueError(f"tokens must be [seq] or [batch, seq], got shape {tokens.shape}")
         c = self.config
         batch, seq = tokens.shape
-        x = self.embed(tokens)
+        x = rearrange(self.embed(tokens), "b t n d -> n b t d")  # the layer scan carries X streams-major
         params, static = eqx.partition(self.blocks, eqx.is_array)
         params = matmul_weights_in_compute_dtype(params, c.dtype)
 
         def layer(x: jax.Array, block_params: Block) -> tuple[jax.Array, tuple[jax.Array, ...]]:
             block = eqx.combine(gather_fsdp(block_params), static)
-            x, stats = block(x)
+            x, stats = block.streams_major(x)
             diag = jnp.mean(jnp.diagonal(stats.res, axis1=-2, axis2=-1), axis=(0, 2, 3))
             ys = (stats.entropy, jnp.mean(stats.weights, axis=1), jnp.max(stats.nash_residual, axis=1), diag)
             return x, ys + ((stats.res,) if return_residual_maps else ())
@@ -279,7 +287,7 @@ class LanguageModel(eqx.Module):
         else:
             x, ys = jax.lax.scan(layer, x, params)
         entropy, weights, residual, diag = ys[:4]  # [layers, B, T], [layers, B, L], [layers, B], [layers, B]
-        h = self.collapse(x)
+        h = self.final_norm(sum(x[i].astype(jnp.float32) for i in range(c.num_streams)))  # collapse(), [B, T, D]
         maps = None
         if return_residual_maps:  # [layers, 2, B, T, n, n] → [B, 2·layers, T, n, n]
             maps = rearrange(ys[4], "layers s b t i j -> b (layers s) t i j")

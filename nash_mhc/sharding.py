@@ -335,8 +335,9 @@ def batch_spec(ndim: int) -> P:
     return P(BATCH_AXES, *([None] * (ndim - 1)))
 
 
-def constrain_batch(x: jax.Array) -> jax.Array:
-    """Pin an activation's leading (batch or token) dimension to ``("data", "fsdp")`` under the ambient mesh.
+def constrain_batch(x: jax.Array, dim: int = 0) -> jax.Array:
+    """Pin an activation's batch (or token) dimension ``dim`` (the leading one by default; 1 for the model's
+    streams-major state [n, B, T, D]) to ``("data", "fsdp")`` under the ambient mesh.
 
     The model code calls this on the outputs of its large matmuls; the training step traces the model under
     its mesh (``jax.sharding.use_abstract_mesh``). Without the pin, the compiler may contract a matmul whose
@@ -344,15 +345,17 @@ def constrain_batch(x: jax.Array) -> jax.Array:
     then holds partial sums over the global batch's tokens, e.g. an FFN hidden state [B·T, F] eight times
     one chip's share) rather than gathering the weight. The other dimensions are left to the compiler
     (``UNCONSTRAINED``), so tensor-parallel splits still propagate. The identity without an ambient mesh (or
-    one lacking the batch axes) and for a leading dimension that does not divide by data x fsdp; a constraint
+    one lacking the batch axes) and for a dimension ``dim`` that does not divide by data x fsdp; a constraint
     never changes values.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not all(axis in mesh.axis_names for axis in BATCH_AXES):
         return x
-    if x.ndim == 0 or x.shape[0] % math.prod(mesh.shape[axis] for axis in BATCH_AXES):
+    if x.ndim <= dim or x.shape[dim] % math.prod(mesh.shape[axis] for axis in BATCH_AXES):
         return x
-    return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *([P.UNCONSTRAINED] * (x.ndim - 1))))
+    spec = [P.UNCONSTRAINED] * x.ndim
+    spec[dim] = BATCH_AXES
+    return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
 def per_shard_attention(attention: Any) -> Any:

@@ -48,12 +48,14 @@ def equations(jaxpr: jax.extend.core.Jaxpr) -> list[jax.extend.core.JaxprEqn]:
 # Sizes chosen so that no axis other than the streams (n = 5) and the scales (L = 3) has size 5 or 3: batch 1,
 # T 64 (coarse 32, 16), D 64, H 4, K 16, F 128, V 384, blocks 2 and 4, n² = 25, 2n + n² = 35.
 JAXPR_CONFIG = ModelConfig.preset("tiny", dtype="bfloat16", num_streams=5, num_scales=3, compression_ratio=2)
-COEFFICIENT_AXES = {JAXPR_CONFIG.num_streams, JAXPR_CONFIG.num_scales}
+# streams, scales, and the 2n + n² coefficients of the mHC projection (each stream's [T, D] slab times its rows
+# of Φ)
+COEFFICIENT_AXES = {JAXPR_CONFIG.num_streams, JAXPR_CONFIG.num_scales, JAXPR_CONFIG.num_hc_coefficients}
 
 
 def is_coefficient_math(eqn: jax.extend.core.JaxprEqn) -> bool:
     """The mHC coefficients and the scale aggregation stay float32 by design (DESIGN.md §1); every such dot
-    has an operand with a streams or scales axis."""
+    has an operand with a streams, scales or hyper-connection coefficients axis."""
     return any(size in COEFFICIENT_AXES for var in eqn.invars for size in var.aval.shape)
 
 

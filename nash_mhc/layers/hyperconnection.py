@@ -121,20 +121,28 @@ class HyperConnection(eqx.Module):
             Float[Array, "seq n"], Float[Array, "seq n"], Float[Array, "seq n n"]]:
         """(H_pre, H_post, H_res) for every token, float32."""
         assert self.norm is not None and self.phi is not None and self.alpha is not None
-        seq, n, dim = x.shape
+        if self.mode != "hc":
+            return self._mhc_coefficients(jnp.swapaxes(x, 0, 1))
         xf = x.astype(jnp.float32)
-        if self.mode == "hc":
-            c = jnp.einsum("tnd,dc->tnc", self.norm(xf), self.phi)  # per stream: [T, n, 2 + n]
-            h_pre = self.alpha[0] * jnp.tanh(c[..., 0]) + self.b_pre
-            h_post = self.alpha[1] * jnp.tanh(c[..., 1]) + self.b_post
-            h_res = self.alpha[2] * jnp.swapaxes(jnp.tanh(c[..., 2:]), -1, -2) + self.b_res  # [t, j, i]
-            return h_pre, h_post, h_res
-        # RMSNorm(flatten(X)) Φ = rsqrt(mean(X²) + eps) · (X (g ⊙ Φ)): the per-token scale is applied to the
-        # [T, 2n+n²] projection, not to the [T, n·D] streams, and X is contracted in its own [T, n, D] shape,
-        # so the backward pass keeps X itself and no normalised or reshaped copy of it.
-        inv_rms = jax.lax.rsqrt(jnp.mean(xf * xf, axis=(1, 2)) + self.norm.eps)
+        c = jnp.einsum("tnd,dc->tnc", self.norm(xf), self.phi)  # per stream: [T, n, 2 + n]
+        h_pre = self.alpha[0] * jnp.tanh(c[..., 0]) + self.b_pre
+        h_post = self.alpha[1] * jnp.tanh(c[..., 1]) + self.b_post
+        h_res = self.alpha[2] * jnp.swapaxes(jnp.tanh(c[..., 2:]), -1, -2) + self.b_res  # [t, j, i]
+        return h_pre, h_post, h_res
+
+    def _mhc_coefficients(self, xs: Float[Array, "n seq dim"]) -> tuple[
+            Float[Array, "seq n"], Float[Array, "seq n"], Float[Array, "seq n n"]]:
+        """mhc / mhc-lite coefficients from the streams-major state (one [T, D] slab per stream).
+
+        RMSNorm(flatten(X)) Φ = rsqrt(mean(X²) + eps) · (X (g ⊙ Φ)): the per-token scale is applied to the
+        [T, 2n+n²] projection, not to the [T, n·D] streams, and X is contracted in its own shape, so the
+        backward pass keeps X itself and no normalised or reshaped copy of it."""
+        assert self.norm is not None and self.phi is not None and self.alpha is not None
+        n, seq, dim = xs.shape
+        slabs = [xs[i].astype(jnp.float32) for i in range(n)]
+        inv_rms = jax.lax.rsqrt(sum(jnp.sum(s * s, axis=-1) for s in slabs) / (n * dim) + self.norm.eps)
         weighted_phi = rearrange(self.norm.weight[:, None] * self.phi, "(n d) c -> n d c", n=n)
-        a = jnp.einsum("tnd,ndc->tc", xf, weighted_phi) * inv_rms[:, None]
+        a = sum(slabs[i] @ weighted_phi[i] for i in range(n)) * inv_rms[:, None]
         a_pre, a_post, a_res = a[:, :n], a[:, n:2 * n], a[:, 2 * n:]
         h_pre = jax.nn.sigmoid(self.alpha[0] * a_pre + self.b_pre)
         h_post = 2.0 * jax.nn.sigmoid(self.alpha[1] * a_post + self.b_post)
@@ -148,13 +156,28 @@ class HyperConnection(eqx.Module):
     def __call__(self, x: Float[Array, "seq n dim"], sublayer: Sublayer
                  ) -> tuple[Float[Array, "seq n dim"], Float[Array, "seq n n"]]:
         """Apply ``sublayer`` through the connection. Returns (new X, H_res); H_res = 1 for one stream."""
-        seq, n, _ = x.shape
+        out, h_res = self.streams_major(jnp.swapaxes(x, 0, 1), sublayer)
+        return jnp.swapaxes(out, 0, 1), h_res
+
+    @jaxtyped(typechecker=beartype)
+    def streams_major(self, xs: Float[Array, "n seq dim"], sublayer: Sublayer
+                      ) -> tuple[Float[Array, "n seq dim"], Float[Array, "seq n n"]]:
+        """:meth:`__call__` on the streams-major state X [n, T, D] (what the model's layer scan carries).
+
+        Every per-token stream operation is written over the n [T, D] slabs, not as a reduction over a stream
+        axis: on TPU the token-major [T, n, D] puts the n streams in one (n, 128) tile, and the compiler's cost
+        model charges a reduction over them about 8 x the slab form (``benchmarks/stream_layout_probe.py``).
+        The float32 math is that of the module docstring."""
+        n, seq, _ = xs.shape
         if self.mode == "plain":
-            y = sublayer(x[:, 0])
-            return x + y.astype(x.dtype)[:, None, :], jnp.ones((seq, 1, 1), jnp.float32)
-        h_pre, h_post, h_res = self.coefficients(x)
-        u = jnp.einsum("tn,tnd->td", h_pre, x.astype(jnp.float32)).astype(x.dtype)
+            y = sublayer(xs[0])
+            return xs + y.astype(xs.dtype)[None], jnp.ones((seq, 1, 1), jnp.float32)
+        if self.mode == "hc":
+            h_pre, h_post, h_res = self.coefficients(jnp.swapaxes(xs, 0, 1))
+        else:
+            h_pre, h_post, h_res = self._mhc_coefficients(xs)
+        slabs = [xs[i].astype(jnp.float32) for i in range(n)]
+        u = sum(h_pre[:, i, None] * slabs[i] for i in range(n)).astype(xs.dtype)
         y = sublayer(u).astype(jnp.float32)
-        mixed = jnp.einsum("tij,tjd->tid", h_res, x.astype(jnp.float32))
-        out = mixed + h_post[:, :, None] * y[:, None, :]
-        return out.astype(x.dtype), h_res
+        out = [sum(h_res[:, i, j, None] * slabs[j] for j in range(n)) + h_post[:, i, None] * y for i in range(n)]
+        return jnp.stack(out).astype(xs.dtype), h_res
