@@ -1,11 +1,14 @@
 """Where the TPU compiler's estimated step time goes: the estimate's cycles by kind of operation, and its largest
 operations, from an optimised HLO module that ``benchmarks/tpu_estimate.py --hlo-dir DIR`` kept.
 
-    python benchmarks/estimate_breakdown.py DIR/1b_v6e-8_plain+full_16_main.hlo.gz [--top 12]
+    python benchmarks/estimate_breakdown.py DIR/1b_v6e-8_plain+full_16_main.hlo.gz [--top 12] \
+        [--device-kind "TPU v6 lite"]
 
 Each operation counts estimated_cycles x the trip counts of the loops around it (as
-:func:`nash_mhc.training.estimate.step_cost` does). Kind: the operation, or for a fusion the root operation of
-the fused computation; "matmul" says whether the operation contains a convolution or dot.
+:func:`nash_mhc.training.estimate.step_cost` does); a Pallas kernel counts its declared cost at the roofline of
+``--device-kind`` (:func:`nash_mhc.training.estimate.kernel_roofline`, kind "Pallas kernel"). Kind: the
+operation, or for a fusion the root operation of the fused computation; "matmul" says whether the operation
+contains a convolution or dot.
 """
 
 from __future__ import annotations
@@ -18,14 +21,20 @@ from pathlib import Path
 from nash_mhc.training import estimate
 
 
-def breakdown(text: str) -> list[tuple[int, int, int, str, bool, str, str]]:
+def breakdown(text: str, device_kind: str | None = None) -> list[tuple[int, int, int, str, bool, str, str]]:
     """(cycles per step, times per step, cycles once, kind, matmul, result type, name) of every costed
     operation, largest first."""
     computations, entry = estimate.parse_hlo(text)
     times, _ = estimate.multiplicities(computations, entry)
     has_matmul = estimate._matmul_finder(computations)
-    rows = [(count * op.cycles, count, op.cycles, estimate._kind(computations, op), has_matmul(op), op.type, op.name)
-            for name, count in times.items() for op in computations[name] if op.cycles]
+    rows = []
+    for name, count in times.items():
+        for op in computations[name]:
+            if (kernel := estimate.kernel_roofline(op, device_kind)) is not None:
+                rows.append((count * kernel[0], count, kernel[0], "Pallas kernel", kernel[2] > 0, op.type, op.name))
+            elif op.cycles:
+                rows.append((count * op.cycles, count, op.cycles, estimate._kind(computations, op), has_matmul(op),
+                             op.type, op.name))
     return sorted(rows, reverse=True)
 
 
@@ -33,9 +42,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("hlo", help="an optimised HLO module (.hlo.gz from tpu_estimate.py --hlo-dir, or text)")
     parser.add_argument("--top", type=int, default=12, help="how many kinds and operations to list")
+    parser.add_argument("--device-kind", default="TPU v6 lite", choices=sorted(estimate.CLOCK_HZ),
+                        help="the chip whose roofline costs Pallas kernels")
     args = parser.parse_args()
     raw = Path(args.hlo).read_bytes()
-    rows = breakdown((gzip.decompress(raw) if args.hlo.endswith(".gz") else raw).decode())
+    rows = breakdown((gzip.decompress(raw) if args.hlo.endswith(".gz") else raw).decode(), args.device_kind)
     total = sum(r[0] for r in rows)
     print(f"{total:.4g} cycles per step")
     kinds: collections.Counter[tuple[str, bool]] = collections.Counter()
