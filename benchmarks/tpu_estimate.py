@@ -123,8 +123,8 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
           batches: dict[tuple[str, str], int], label: str) -> tuple[list[str], list[str]]:
     """(markdown rows, the entries with no result yet)."""
     rows = ["| preset | slice | tokens per chip | variant | est. step time | est. tokens/s per chip | est. MFU | "
-            "HBM per chip per step | step time ÷ plain+full | compile |",
-            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "HBM per chip per step | step time ÷ plain+full | Pallas kernels (roofline) | compile |",
+            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     missing = []
     for preset in presets:
         for slice_name in slices:
@@ -140,12 +140,14 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
                     continue
                 if r["seconds"] is None:
                     rows.append(f"| {preset} | {slice_name} | {per_chip} x {r['seq_len']} | {variant} | "
-                                f"{'does not fit' if r['fits'] is False else r['estimate_error']} | | | | | |")
+                                f"{'does not fit' if r['fits'] is False else r['estimate_error']} | | | | | | |")
                     continue
                 ratio = (f"{r['seconds'] / base['seconds']:.2f}" if base and base.get("seconds") else "")
+                kernels = (f"{100 * r['kernel_cycles'] / r['cycles']:.1f} %" if r.get("kernel_cycles") is not None
+                           else "not costed")
                 rows.append(f"| {preset} | {slice_name} | {per_chip} x {r['seq_len']} | {variant} | "
                             f"{1e3 * r['seconds']:,.0f} ms | {r['tokens_per_second_per_chip']:,.0f} | "
-                            f"{100 * r['mfu']:.1f} % | {r['hbm_bytes'] / GIB:,.0f} GiB | {ratio} | "
+                            f"{100 * r['mfu']:.1f} % | {r['hbm_bytes'] / GIB:,.0f} GiB | {ratio} | {kernels} | "
                             f"{r['compile_seconds'] / 60:.0f} min |")
     return rows, missing
 
@@ -159,7 +161,9 @@ def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, mach
             f"on {machine} (no TPU: libtpu's compiler and its cost model; every figure is the compiler's estimate, "
             "not a measurement). Each row is one `--compile-only` of the preset with the variant's `--residual` / "
             "`--attention` flags and `" + " ".join(memory_flags(remat_group)) + "`, fsdp over every chip, at the fit "
-            "table's batch; the results file holds the exact flags, cycles and commit of each.", "",
+            "table's batch; the results file holds the exact flags, cycles and commit of each. \"Pallas kernels\": the "
+            "share of the estimate that is Pallas kernels (flash attention) costed at their declared roofline, a "
+            "lower bound on their time (docs/tpu.md, How it is computed).", "",
             *(rows + [""] if len(rows) > 2 else [])]
     if missing:
         body += [f"No estimate yet: {', '.join(missing)}.", ""]
