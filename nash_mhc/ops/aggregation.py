@@ -84,7 +84,7 @@ def normalised_outputs(outputs: Float[Array, "*batch scales dim"], available: Bo
     dtype = _compute_dtype(outputs)
     o = jnp.where(available[..., None], outputs.astype(dtype), 0.0)
     count = jnp.maximum(jnp.sum(jnp.broadcast_to(available, o.shape[:-1]), axis=-1), 1)
-    scale = _scale_sum([jnp.mean(o[..., l, :] * o[..., l, :], axis=-1) for l in range(o.shape[-2])]) / count
+    scale = _scale_sum([jnp.mean(o[..., s, :] * o[..., s, :], axis=-1) for s in range(o.shape[-2])]) / count
     # All-zero outputs (S = 0) stay zero; dividing by 1 there keeps the gradient finite (no 1/tiny).
     return o * jax.lax.rsqrt(jnp.where(scale > SCALE_FLOOR, scale, 1.0))[..., None, None]
 
@@ -97,8 +97,8 @@ def scale_game(outputs: Float[Array, "*batch scales dim"], available: Bool[Array
     o = normalised_outputs(outputs, available)
     mask = jnp.broadcast_to(available, o.shape[:-1]).astype(o.dtype)
     count = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
-    mean = _scale_sum([o[..., l, :] for l in range(o.shape[-2])]) / count[..., None]
-    centred = [(o[..., l, :] - mean) * mask[..., l, None] for l in range(o.shape[-2])]
+    mean = _scale_sum([o[..., s, :] for s in range(o.shape[-2])]) / count[..., None]
+    centred = [(o[..., s, :] - mean) * mask[..., s, None] for s in range(o.shape[-2])]
     rows = [jnp.stack([jnp.mean(a * b, axis=-1) for b in centred], axis=-1) for a in centred]
     gram = jnp.stack(rows, axis=-2)
     return gram, largest_eigenvalue(gram, available)
@@ -285,8 +285,8 @@ def gate_weights(outputs: Float[Array, "*batch scales dim"], available: Bool[Arr
 def combine(outputs: Float[Array, "*batch scales dim"], weights: Float[Array, "*batch scales"]
             ) -> Float[Array, "*batch dim"]:
     """sum_l w_l O_l in float32, returned in the outputs' dtype."""
-    out = _scale_sum([weights[..., l, None] * outputs[..., l, :].astype(weights.dtype)
-                      for l in range(outputs.shape[-2])])
+    out = _scale_sum([weights[..., s, None] * outputs[..., s, :].astype(weights.dtype)
+                      for s in range(outputs.shape[-2])])
     return out.astype(outputs.dtype)
 
 
