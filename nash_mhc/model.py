@@ -227,9 +227,11 @@ class LanguageModel(eqx.Module):
         """Collapse the streams (sum), final norm and LM head: logits [..., T, V], padded columns -1e30."""
         return self.head_logits(self.collapse(x))
 
-    def collapse(self, x: Float[Array, "*batch seq n dim"]) -> Float[Array, "*batch seq dim"]:
-        """The streams' sum (in float32) under the final norm: what the LM head reads, [..., T, D] float32."""
-        return self.final_norm(jnp.sum(x.astype(jnp.float32), axis=-2))
+    def collapse(self, x: jax.Array, streams_axis: int = -2) -> Float[Array, "*batch seq dim"]:
+        """The streams' sum (in float32) under the final norm: what the LM head reads, [..., T, D] float32.
+        ``x`` is token-major [..., T, n, D] (``streams_axis`` -2) or the layer scan's streams-major [n, B, T, D]
+        (``streams_axis`` 0: a sum of whole slabs)."""
+        return self.final_norm(jnp.sum(x.astype(jnp.float32), axis=streams_axis))
 
     def head_logits(self, h: Float[Array, "*batch seq dim"]) -> Float[Array, "*batch seq vocab"]:
         """LM head on collapsed states ``h`` [..., T, D]: logits [..., T, V] float32, padded columns -1e30.
@@ -287,7 +289,7 @@ class LanguageModel(eqx.Module):
         else:
             x, ys = jax.lax.scan(layer, x, params)
         entropy, weights, residual, diag = ys[:4]  # [layers, B, T], [layers, B, L], [layers, B], [layers, B]
-        h = self.final_norm(sum(x[i].astype(jnp.float32) for i in range(c.num_streams)))  # collapse(), [B, T, D]
+        h = self.collapse(x, streams_axis=0)  # [B, T, D]
         maps = None
         if return_residual_maps:  # [layers, 2, B, T, n, n] → [B, 2·layers, T, n, n]
             maps = rearrange(ys[4], "layers s b t i j -> b (layers s) t i j")

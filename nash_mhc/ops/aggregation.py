@@ -56,6 +56,8 @@ from jaxtyping import Array, Bool, Float, jaxtyped
 FLOOR = 1.05  # c of tau_t = tau + c lambda_max(C): every log-odds moves by < 2 / c = 1.90 nats from the prior
 SCALE_FLOOR = 1e-30  # outputs with mean square below this count as all zero (their game is the prior's)
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-6, jnp.dtype(jnp.float64): 1e-12}  # target max_l |w - BR(w)|
+# Sums over the scales add the separate [..., D] slabs O[..., l, :], never reduce over the stacked scales axis: on
+# TPU the few scales of [..., L, D] share a (4, 128) tile, and the cost model charges that reduction ~8x.
 
 
 def _compute_dtype(*arrays: jax.Array) -> jnp.dtype:
@@ -84,7 +86,7 @@ def normalised_outputs(outputs: Float[Array, "*batch scales dim"], available: Bo
     dtype = _compute_dtype(outputs)
     o = jnp.where(available[..., None], outputs.astype(dtype), 0.0)
     count = jnp.maximum(jnp.sum(jnp.broadcast_to(available, o.shape[:-1]), axis=-1), 1)
-    scale = _scale_sum([jnp.mean(o[..., s, :] * o[..., s, :], axis=-1) for s in range(o.shape[-2])]) / count
+    scale = sum(jnp.mean(o[..., s, :] * o[..., s, :], axis=-1) for s in range(o.shape[-2])) / count
     # All-zero outputs (S = 0) stay zero; dividing by 1 there keeps the gradient finite (no 1/tiny).
     return o * jax.lax.rsqrt(jnp.where(scale > SCALE_FLOOR, scale, 1.0))[..., None, None]
 
@@ -97,7 +99,7 @@ def scale_game(outputs: Float[Array, "*batch scales dim"], available: Bool[Array
     o = normalised_outputs(outputs, available)
     mask = jnp.broadcast_to(available, o.shape[:-1]).astype(o.dtype)
     count = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
-    mean = _scale_sum([o[..., s, :] for s in range(o.shape[-2])]) / count[..., None]
+    mean = sum(o[..., s, :] for s in range(o.shape[-2])) / count[..., None]
     centred = [(o[..., s, :] - mean) * mask[..., s, None] for s in range(o.shape[-2])]
     rows = [jnp.stack([jnp.mean(a * b, axis=-1) for b in centred], axis=-1) for a in centred]
     gram = jnp.stack(rows, axis=-2)
@@ -285,18 +287,8 @@ def gate_weights(outputs: Float[Array, "*batch scales dim"], available: Bool[Arr
 def combine(outputs: Float[Array, "*batch scales dim"], weights: Float[Array, "*batch scales"]
             ) -> Float[Array, "*batch dim"]:
     """sum_l w_l O_l in float32, returned in the outputs' dtype."""
-    out = _scale_sum([weights[..., s, None] * outputs[..., s, :].astype(weights.dtype)
-                      for s in range(outputs.shape[-2])])
+    out = sum(weights[..., s, None] * outputs[..., s, :].astype(weights.dtype) for s in range(outputs.shape[-2]))
     return out.astype(outputs.dtype)
-
-
-def _scale_sum(terms: list[jax.Array]) -> jax.Array:
-    """sum over the scales as separate [..., D] slabs, never a reduction over a stacked scales axis (on TPU the
-    few scales of [..., L, D] share a (4, 128) tile, and the cost model charges that reduction ~8x)."""
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
 
 
 @jaxtyped(typechecker=beartype)

@@ -67,8 +67,9 @@ def kernel_costs(batch: int, seq: int, heads: int, head_dim: int, itemsize: int,
     matmul FLOPs per visited pair are 2 b² K per matmul (forward 2 matmuls, dK/dV 4, dQ 3); one exponential per
     score. HBM bytes per head: a block whose index does not change between consecutive grid steps is not
     fetched again, so the operands indexed by the outer block are read once and the ones indexed by the inner
-    block once per visited pair, less one where the first outer block's last inner index equals the second's
-    first (n > 1); outputs are written once. L and D are float32 rows of T.
+    block once per visited pair, less one (n > 1) where two consecutive outer blocks meet at the same inner
+    index (forward and dQ: outer 0 ends and outer 1 starts at key block 0; dK/dV: outer n-2 ends and outer
+    n-1 starts at query block n-1); outputs are written once. L and D are float32 rows of T.
     """
     n = seq // block
     pairs = n * (n + 1) // 2

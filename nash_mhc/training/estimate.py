@@ -341,23 +341,20 @@ def step_cost(hlo_text: str, device_kind: str | None = None) -> StepCost:
             if op.startswith(("copy-start", "copy-done", "call-start", "call-done", "async-", "send", "recv")):
                 uncosted["asynchronous copy" if op.startswith("copy") else "asynchronous/offloaded"] += times
                 continue
-            if (roofline := kernel_roofline(instruction, device_kind)) is not None:
+            roofline = kernel_roofline(instruction, device_kind)
+            if roofline is not None:
                 cost, moved, flops = roofline
-                hbm += times * moved
-                cycles += times * cost
-                once += cost
                 kernel += times * cost
-                matmul += times * cost if flops else 0
-                continue
-            if op == "fusion":
-                moved = _fusion_bytes(computations, instruction, types)
-            elif op == "dynamic-update-slice" and len(instruction.operands) > 1:
-                moved = 2 * array_bytes(types.get(instruction.operands[1], ""), hbm_only=True)
             else:
-                moved = array_bytes(instruction.type, hbm_only=True) + sum(
-                    array_bytes(types.get(o, ""), hbm_only=True) for o in instruction.operands)
+                if op == "fusion":
+                    moved = _fusion_bytes(computations, instruction, types)
+                elif op == "dynamic-update-slice" and len(instruction.operands) > 1:
+                    moved = 2 * array_bytes(types.get(instruction.operands[1], ""), hbm_only=True)
+                else:
+                    moved = array_bytes(instruction.type, hbm_only=True) + sum(
+                        array_bytes(types.get(o, ""), hbm_only=True) for o in instruction.operands)
+                cost = instruction.cycles
             hbm += times * moved
-            cost = instruction.cycles
             if cost is None:
                 if array_bytes(instruction.type) > 8:  # scalar bookkeeping (loop counters) is not listed
                     uncosted[_kind(computations, instruction)] += times
@@ -365,7 +362,7 @@ def step_cost(hlo_text: str, device_kind: str | None = None) -> StepCost:
                 continue
             cycles += times * cost
             once += cost
-            if has_matmul(instruction):
+            if (flops > 0) if roofline is not None else has_matmul(instruction):
                 matmul += times * cost
     return StepCost(cycles=cycles, matmul_cycles=matmul, hbm_bytes=hbm, collective_bytes=collective,
                     loops=tuple(loops), uncosted=dict(uncosted), uncosted_bytes=uncosted_bytes, cycles_once=once,
