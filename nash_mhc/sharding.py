@@ -62,7 +62,9 @@ LOGICAL_AXIS_RULES: dict[str, Axes] = {
     "hc_rows": FSDP_TP,    # rows of the hyper-connection projection Φ (n·D for mhc, D for hc)
     "head_dim": None, "layers": None, "scales": None, "block": None, "norm": None, "streams": None,
     "hc_coeffs": None, "hc_alpha": None, "permutations": None,
-    "batch": BATCH_AXES, "seq": None,   # activations (per-shard kernels: :func:`per_shard_attention`)
+    # activations, for per-shard kernels (:func:`per_shard`): "tokens" is batch x seq flattened, "features" the
+    # model width of an activation (whole on every device)
+    "batch": BATCH_AXES, "seq": None, "tokens": BATCH_AXES, "features": None,
 }
 
 
@@ -358,20 +360,29 @@ def constrain_batch(x: jax.Array, dim: int = 0) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
-def per_shard_attention(attention: Any) -> Any:
-    """``attention(q, k, v)`` on arrays [B, T, H, K] run on each device's shard under the ambient mesh: batch
-    over ``("data", "fsdp")`` and heads over tp (as far as they divide, :func:`logical_spec`), sequence and
-    head dim whole, in ``jax.shard_map``. For an operation the partitioner cannot split itself (a Pallas
-    kernel is one opaque custom call); causal attention needs no communication under this split. Without an
-    ambient mesh, ``attention`` itself."""
-    def run(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def per_shard(function: Any, in_axes: Sequence[tuple[str, ...]], out_axes: tuple[str, ...]) -> Any:
+    """``function`` (of arrays whose dimensions have the logical names ``in_axes``, returning one array named
+    ``out_axes``) run on each device's shard under the ambient mesh, in ``jax.shard_map``: each dimension split
+    as :func:`logical_spec` splits it (as far as it divides). For an operation the partitioner cannot split
+    itself (a Pallas kernel is one opaque custom call) that needs no communication under this split. Without an
+    ambient mesh, ``function`` itself."""
+    def run(*operands: jax.Array) -> jax.Array:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or not all(axis in mesh.axis_names for axis in AXES):
-            return attention(q, k, v)
-        spec, _ = logical_spec(("batch", "seq", "heads", "head_dim"), q.shape, mesh)
-        return jax.shard_map(attention, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                             check_vma=False)(q, k, v)
+            return function(*operands)
+        specs = tuple(logical_spec(names, a.shape, mesh)[0] for names, a in zip(in_axes, operands, strict=True))
+        out = jax.eval_shape(function, *operands)
+        return jax.shard_map(function, mesh=mesh, in_specs=specs, out_specs=logical_spec(out_axes, out.shape, mesh)[0],
+                             check_vma=False)(*operands)
     return run
+
+
+def per_shard_attention(attention: Any) -> Any:
+    """``attention(q, k, v)`` on arrays [B, T, H, K] run on each device's shard (:func:`per_shard`): batch over
+    ``("data", "fsdp")`` and heads over tp, sequence and head dim whole; causal attention needs no communication
+    under this split."""
+    names = ("batch", "seq", "heads", "head_dim")
+    return per_shard(attention, (names, names, names), names)
 
 
 def batch_shards(mesh: Mesh) -> int:
@@ -402,7 +413,7 @@ def shard_batch(batch: PyTree, mesh: Mesh) -> PyTree:
 __all__ = [
     "AXES", "AXIS_TYPE", "BATCH_AXES", "LOGICAL_AXIS_RULES", "MeshConfig", "MeshError", "ShardingFallback",
     "batch_shards", "batch_spec", "constrain", "constrain_batch", "describe_mesh", "gather_fsdp", "logical_spec",
-    "make_mesh", "mesh_axes", "named_shardings", "per_shard_attention",
+    "make_mesh", "mesh_axes", "named_shardings", "per_shard", "per_shard_attention",
     "partition_specs", "path_str", "resolve_mesh_shape", "shard_batch", "sharding_fallbacks",
     "sharding_summary", "valid_mesh_shapes",
 ]

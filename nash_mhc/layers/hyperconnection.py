@@ -54,7 +54,9 @@ from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.sinkhorn import sinkhorn
+from nash_mhc.ops.stream_mix import SHARD_AXES, mix_blocks, stream_mix
 from nash_mhc.params import param
+from nash_mhc.sharding import per_shard
 
 ALPHA_INIT = 0.01
 LITE_OTHER_LOGIT = -8.0  # mhc-lite: b_perm of every permutation but the identity (which gets 0)
@@ -178,6 +180,27 @@ class HyperConnection(eqx.Module):
             h_pre, h_post, h_res = self._mhc_coefficients(xs)
         slabs = [xs[i].astype(jnp.float32) for i in range(n)]
         u = sum(h_pre[:, i, None] * slabs[i] for i in range(n)).astype(xs.dtype)
-        y = sublayer(u).astype(jnp.float32)
-        out = [sum(h_res[:, i, j, None] * slabs[j] for j in range(n)) + h_post[:, i, None] * y for i in range(n)]
-        return jnp.stack(out).astype(xs.dtype), h_res
+        return mix_streams(xs, sublayer(u), h_res, h_post), h_res
+
+
+def _mix_xla(xs: jax.Array, y: jax.Array, h_res: jax.Array, h_post: jax.Array) -> jax.Array:
+    """H_res X + H_post (x) y over the n [T, D] slabs, float32, rounded once to X's dtype."""
+    slabs = [a.astype(jnp.float32) for a in xs]
+    y = y.astype(jnp.float32)
+    out = [sum(h_res[:, i, j, None] * slabs[j] for j in range(len(slabs))) + h_post[:, i, None] * y
+           for i in range(len(slabs))]
+    return jnp.stack(out).astype(xs.dtype)
+
+
+def mix_streams(xs: Float[Array, "n seq dim"], y: Float[Array, "seq dim"], h_res: Float[Array, "seq n n"],
+                h_post: Float[Array, "seq n"]) -> Float[Array, "n seq dim"]:
+    """X <- H_res X + H_post (x) y on the streams-major state, in float32, rounded once to X's dtype.
+
+    Lowered for TPU, the Pallas kernels of :func:`nash_mhc.ops.stream_mix.stream_mix` on each device's token
+    shard (the compiler's fusions of the slab form read every input slab once per output slab); elsewhere
+    (CPU, GPU), and where no token tile divides T, the slab form in XLA. Chosen when the step is lowered
+    (``jax.lax.platform_dependent``); both compute the same float32 sums in the same order."""
+    if mix_blocks(xs.shape[1], xs.shape[2]) is None:
+        return _mix_xla(xs, y, h_res, h_post)
+    kernel = per_shard(stream_mix, *SHARD_AXES)
+    return jax.lax.platform_dependent(xs, y, h_res, h_post, tpu=kernel, default=_mix_xla)
