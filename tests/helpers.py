@@ -1,11 +1,14 @@
 """Helpers the test modules share: the repository root, subprocess environments, a checkpoint without a run,
-a few train steps."""
+a few train steps, and what Pallas kernels declare and move."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Any
+
+import jax
+import jax.extend
 
 from nash_mhc.training import train_step
 from nash_mhc.training.checkpoint import Checkpointer
@@ -43,3 +46,30 @@ def run_steps(state: Any, batches: list[Any]) -> tuple[Any, list[float]]:
         state, metrics = train_step(state, batch)
         losses.append(float(metrics["loss"]))
     return state, losses
+
+
+def declared(fn: Any, *args: Any) -> list[Any]:
+    """The CostEstimate of every pallas_call in fn's jaxpr (sub-jaxprs included), in order."""
+    found = []
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append(eqn.params["cost_estimate"])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def moved(grid: tuple[int, int], operands: list[tuple[int, Any]]) -> int:
+    """HBM bytes of a two-axis grid walked in order (the second axis innermost), an operand's tile moved whenever
+    its block index differs from the previous step's; ``operands`` are (tile bytes, index(outer, inner))."""
+    total = 0
+    for tile_bytes, index in operands:
+        last = None
+        for outer in range(grid[0]):
+            for inner in range(grid[1]):
+                total += tile_bytes * (index(outer, inner) != last)
+                last = index(outer, inner)
+    return total

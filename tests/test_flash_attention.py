@@ -6,10 +6,10 @@ of the kernels and their roofline costing are in tests/test_estimate.py."""
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import declared
 from jax.sharding import PartitionSpec as P
 
 from nash_mhc.ops.flash_attention import BLOCK_SIZES, flash_block, flash_causal_attention, kernel_costs
@@ -118,20 +118,6 @@ def schedule(n: int, outer_index, inner_index):
                 fetched[name] += index != last[name]
                 last[name] = index
     return fetched
-
-
-def declared(fn, *args):
-    """The CostEstimate of every pallas_call in fn's jaxpr, in order."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                found.append(eqn.params["cost_estimate"])
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
 
 
 @pytest.mark.parametrize("seq,block,itemsize", [(384, 128, 4), (2048, 512, 2), (128, 128, 2)])

@@ -5,10 +5,10 @@ CPU runs against the same reference, and the declared cost against an independen
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import declared, moved
 from jax.sharding import PartitionSpec as P
 
 from nash_mhc.layers.hyperconnection import mix_streams
@@ -87,33 +87,6 @@ def test_bad_tiles_are_refused_with_one_line():
 
 
 # ---------------------------------------------------------------------------------------------- cost
-def declared(fn, *args):
-    """The CostEstimate of every pallas_call in fn's jaxpr, in order."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                found.append(eqn.params["cost_estimate"])
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
-
-
-def moved(grid, operands):
-    """HBM bytes of a (token, column) grid walked in order, an operand's tile moved whenever its index differs
-    from the previous step's: operands are (tile bytes, index(t, d))."""
-    total = 0
-    for tile_bytes, index in operands:
-        last = None
-        for t in range(grid[0]):
-            for d in range(grid[1]):
-                total += tile_bytes * (index(t, d) != last)
-                last = index(t, d)
-    return total
-
-
 @pytest.mark.parametrize("tokens,dim,blocks,x_bytes,y_bytes", [(64, 384, (16, 128), 4, 4),
                                                                 (32768, 2048, (256, 512), 2, 2),
                                                                 (512, 256, (128, 256), 2, 4)])

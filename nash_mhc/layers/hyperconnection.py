@@ -40,6 +40,7 @@ one-stream scalars are dropped).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -54,6 +55,7 @@ from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.sinkhorn import sinkhorn
+from nash_mhc.ops.stream_collapse import collapse_streams
 from nash_mhc.ops.stream_mix import SHARD_AXES, mix_blocks, stream_mix
 from nash_mhc.params import param
 from nash_mhc.sharding import per_shard
@@ -139,20 +141,26 @@ class HyperConnection(eqx.Module):
         RMSNorm(flatten(X)) Φ = rsqrt(mean(X²) + eps) · (X (g ⊙ Φ)): the per-token scale is applied to the
         [T, 2n+n²] projection, not to the [T, n·D] streams, and X is contracted in its own shape, so the
         backward pass keeps X itself and no normalised or reshaped copy of it."""
-        assert self.norm is not None and self.phi is not None and self.alpha is not None
-        n, seq, dim = xs.shape
-        slabs = [xs[i].astype(jnp.float32) for i in range(n)]
-        inv_rms = jax.lax.rsqrt(sum(jnp.sum(s * s, axis=-1) for s in slabs) / (n * dim) + self.norm.eps)
-        weighted_phi = rearrange(self.norm.weight[:, None] * self.phi, "(n d) c -> n d c", n=n)
-        a = sum(slabs[i] @ weighted_phi[i] for i in range(n)) * inv_rms[:, None]
-        a_pre, a_post, a_res = a[:, :n], a[:, n:2 * n], a[:, 2 * n:]
-        h_pre = jax.nn.sigmoid(self.alpha[0] * a_pre + self.b_pre)
-        h_post = 2.0 * jax.nn.sigmoid(self.alpha[1] * a_post + self.b_post)
-        if self.mode == "mhc-lite":
-            mix = jax.nn.softmax(self.alpha[2] * a_res + self.b_perm, axis=-1)
-            return h_pre, h_post, jnp.einsum("tk,kij->tij", mix, jnp.asarray(permutation_matrices(n)))
-        h_res = sinkhorn(self.alpha[2] * rearrange(a_res, "t (i j) -> t i j", i=n) + self.b_res, self.sinkhorn_iters)
-        return h_pre, h_post, h_res
+        slabs = [a.astype(jnp.float32) for a in xs]
+        weighted_phi = self._weighted_phi()
+        ss = sum(jnp.sum(s * s, axis=-1) for s in slabs)
+        raw = sum(slabs[i] @ weighted_phi[i] for i in range(len(slabs)))
+        return self._coefficient_function()(raw, ss, self._coefficient_params())
+
+    def _weighted_phi(self) -> Float[Array, "n dim coeffs"]:
+        """g ⊙ Φ per stream, [n, D, C]: the projection of the streams' slabs before the per-token norm."""
+        assert self.norm is not None and self.phi is not None
+        return rearrange(self.norm.weight[:, None] * self.phi, "(n d) c -> n d c", n=self.num_streams)
+
+    def _coefficient_params(self) -> tuple[jax.Array, ...]:
+        """The parameters the coefficient function reads: (alpha, b_pre, b_post, b_res or b_perm)."""
+        return self.alpha, self.b_pre, self.b_post, self.b_res if self.mode == "mhc" else self.b_perm
+
+    def _coefficient_function(self) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+        """(raw projection [T, C], sum of squares [T], :meth:`_coefficient_params`) → (H_pre, H_post, H_res)."""
+        assert self.norm is not None and self.phi is not None
+        return functools.partial(_mhc_coefficients, self.mode, self.num_streams, self.phi.shape[0] // self.num_streams,
+                                 self.norm.eps, self.sinkhorn_iters)
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, x: Float[Array, "seq n dim"], sublayer: Sublayer
@@ -176,11 +184,46 @@ class HyperConnection(eqx.Module):
             return xs + y.astype(xs.dtype)[None], jnp.ones((seq, 1, 1), jnp.float32)
         if self.mode == "hc":
             h_pre, h_post, h_res = self.coefficients(jnp.swapaxes(xs, 0, 1))
+            slabs = [xs[i].astype(jnp.float32) for i in range(n)]
+            u = sum(h_pre[:, i, None] * slabs[i] for i in range(n)).astype(xs.dtype)
         else:
-            h_pre, h_post, h_res = self._mhc_coefficients(xs)
-        slabs = [xs[i].astype(jnp.float32) for i in range(n)]
-        u = sum(h_pre[:, i, None] * slabs[i] for i in range(n)).astype(xs.dtype)
+            xs, u, h_post, h_res = self._mhc_collapse(xs)
         return mix_streams(xs, sublayer(u), h_res, h_post), h_res
+
+    def _mhc_collapse(self, xs: Float[Array, "n seq dim"]) -> tuple[
+            Float[Array, "n seq dim"], Float[Array, "seq dim"], Float[Array, "seq n"], Float[Array, "seq n n"]]:
+        """(X, u = sum_k H_pre[k] X[k], H_post, H_res) of mhc / mhc-lite. Lowered for TPU, the backward pass runs
+        the Pallas kernels of :func:`nash_mhc.ops.stream_collapse.collapse_streams`; elsewhere (and where no
+        token tile divides T) the slab form in XLA, differentiated by JAX. The forward pass is the same XLA."""
+        def xla(xs: jax.Array, weighted_phi: jax.Array, params: tuple) -> tuple[jax.Array, ...]:
+            slabs = [a.astype(jnp.float32) for a in xs]
+            ss = sum(jnp.sum(s * s, axis=-1) for s in slabs)
+            raw = sum(slabs[i] @ weighted_phi[i] for i in range(len(slabs)))
+            h_pre, h_post, h_res = coefficients(raw, ss, params)
+            u = sum(h_pre[:, i, None] * slabs[i] for i in range(len(slabs))).astype(xs.dtype)
+            return xs, u, h_post, h_res
+
+        coefficients = self._coefficient_function()
+        operands = (xs, self._weighted_phi(), self._coefficient_params())
+        if mix_blocks(xs.shape[1], xs.shape[2]) is None:
+            return xla(*operands)
+        return jax.lax.platform_dependent(*operands, tpu=functools.partial(collapse_streams, coefficients),
+                                          default=xla)
+
+
+def _mhc_coefficients(mode: str, n: int, dim: int, eps: float, sinkhorn_iters: int, raw: jax.Array, ss: jax.Array,
+                      params: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """mhc / mhc-lite (H_pre [T, n], H_post [T, n], H_res [T, n, n]) from the raw projection X (g ⊙ Φ) [T, C] and
+    the sum of squares [T] of the n·D values of each token (module docstring)."""
+    alpha, b_pre, b_post, b_res = params
+    a = raw * jax.lax.rsqrt(ss / (n * dim) + eps)[:, None]
+    a_pre, a_post, a_res = a[:, :n], a[:, n:2 * n], a[:, 2 * n:]
+    h_pre = jax.nn.sigmoid(alpha[0] * a_pre + b_pre)
+    h_post = 2.0 * jax.nn.sigmoid(alpha[1] * a_post + b_post)
+    if mode == "mhc-lite":
+        mix = jax.nn.softmax(alpha[2] * a_res + b_res, axis=-1)
+        return h_pre, h_post, jnp.einsum("tk,kij->tij", mix, jnp.asarray(permutation_matrices(n)))
+    return h_pre, h_post, sinkhorn(alpha[2] * rearrange(a_res, "t (i j) -> t i j", i=n) + b_res, sinkhorn_iters)
 
 
 def _mix_xla(xs: jax.Array, y: jax.Array, h_res: jax.Array, h_post: jax.Array) -> jax.Array:
@@ -202,5 +245,11 @@ def mix_streams(xs: Float[Array, "n seq dim"], y: Float[Array, "seq dim"], h_res
     (``jax.lax.platform_dependent``); both compute the same float32 sums in the same order."""
     if mix_blocks(xs.shape[1], xs.shape[2]) is None:
         return _mix_xla(xs, y, h_res, h_post)
-    kernel = per_shard(stream_mix, *SHARD_AXES)
-    return jax.lax.platform_dependent(xs, y, h_res, h_post, tpu=kernel, default=_mix_xla)
+    return jax.lax.platform_dependent(xs, y, h_res, h_post, tpu=per_shard(_mix_shard, *SHARD_AXES), default=_mix_xla)
+
+
+def _mix_shard(xs: jax.Array, y: jax.Array, h_res: jax.Array, h_post: jax.Array) -> jax.Array:
+    """One device's tokens: the kernels, or the slab form where no token tile divides the shard."""
+    if mix_blocks(xs.shape[1], xs.shape[2]) is None:
+        return _mix_xla(xs, y, h_res, h_post)
+    return stream_mix(xs, y, h_res, h_post)

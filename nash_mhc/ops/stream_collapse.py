@@ -1,0 +1,197 @@
+"""The backward pass of mHC's stream collapse as two Pallas TPU kernels, each stream read once per kernel.
+
+For one hyper-connection, from the streams X [n, T, D], the weighted projection W [n, D, C] (g ⊙ Φ, per stream)
+and the per-token coefficient function of the connection (``coefficients``: raw projection and sum of squares →
+H_pre, H_post, H_res):
+
+    raw = sum_j X_j W_j  [T, C]      ss = sum_j sum_d X_j²  [T]      (H_pre, H_post, H_res) = coefficients(raw, ss)
+    u = sum_j H_pre[:, j] X_j  [T, D]    (rounded once to X's dtype)
+
+:func:`collapse_streams` returns (X, u, H_post, H_res): X passes through unchanged, so that the cotangent of the
+stream update that consumes X afterwards (:mod:`nash_mhc.ops.stream_mix`) arrives here and is added to the
+collapse's own in one write. Backward, from (dX_out, du, dH_post, dH_res):
+
+    dH_pre[:, j] = sum_d du X_j                                       kernel "dh_pre"  (reads X, du)
+    (d_raw, d_ss, d_params) = vjp(coefficients)(dH_pre, dH_post, dH_res)            (XLA, [T, C]-sized)
+    dX_j = dX_out_j + H_pre[:, j] du + 2 d_ss X_j + d_raw W_jᵀ        kernel "dx"  (reads X, dX_out, du)
+    dW_j = X_jᵀ d_raw                                                 (XLA matmul)
+
+XLA's own backward of the slab form spends about 9 ms per 1b sublayer on v6e (compiler estimate,
+``benchmarks/stream_mix_probe.py``), writing float32 copies of the streams and summing the n stream
+gradients in separate passes. Each ``pallas_call`` declares its cost (:func:`kernel_costs`). The forward runs in
+XLA (its fusions read X about once for raw and ss and once for u). Used on TPU only
+(:meth:`nash_mhc.layers.hyperconnection.HyperConnection.streams_major`); ``interpret=True`` runs the kernels in
+Pallas' interpreter (CPU tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from nash_mhc.ops.stream_mix import mix_blocks
+from nash_mhc.sharding import per_shard
+
+F32 = jnp.float32
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+STREAMS, TOKENS = ("streams", "tokens", "features"), ("tokens", "features")  # logical names for per_shard
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCosts:
+    """The declared cost of the two backward kernels for one call."""
+
+    dh_pre: pl.CostEstimate
+    dx: pl.CostEstimate
+
+
+def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int, blocks: tuple[int, int]
+                 ) -> KernelCosts:
+    """FLOPs and HBM bytes of the kernels for X [n, T, D] of itemsize ``x_bytes`` (u and dX_out too) and C
+    coefficient columns, on tiles ``blocks`` = (token tile, column tile).
+
+    dh_pre: one multiply-add per stream, token and column; reads X and du, writes dH_pre (float32 [T, n]).
+    dx: per stream, token and column C multiply-adds of d_raw W_jᵀ and three more (H_pre du, 2 d_ss X, dX_out);
+    reads X, dX_out, du, the per-token scalars [T, n + 1] and d_raw [T, C] (float32) once per column tile (the
+    grid walks the tokens innermost), W once; writes dX."""
+    n, elems = streams, tokens * dim
+    column_tiles = dim // blocks[1]
+    stream, slab = n * elems * x_bytes, elems * x_bytes
+    dh_pre = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
+    per_token = tokens * (n + 1 + coeffs) * 4
+    dx = pl.CostEstimate(flops=2 * (coeffs + 3) * n * elems, transcendentals=0,
+                         bytes_accessed=3 * stream + slab + column_tiles * per_token + n * coeffs * dim * 4)
+    return KernelCosts(dh_pre, dx)
+
+
+# -------------------------------------------------------------------------------------------- kernels
+def _dh_pre_kernel(x_ref, du_ref, out_ref):
+    n = x_ref.shape[0]
+    du = du_ref[...].astype(F32)
+    lane = lax.broadcasted_iota(jnp.int32, out_ref.shape, 1)
+    partial = jnp.zeros(out_ref.shape, F32)
+    for j in range(n):
+        partial = jnp.where(lane == j, jnp.sum(x_ref[j].astype(F32) * du, axis=1, keepdims=True), partial)
+
+    @pl.when(pl.program_id(1) == 0)
+    def _start():
+        out_ref[...] = jnp.zeros(out_ref.shape, F32)
+
+    out_ref[...] += partial
+
+
+def _dx_kernel(x_ref, dxo_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref):
+    n = x_ref.shape[0]
+    du = du_ref[...].astype(F32)
+    scalars, draw = scalars_ref[...], draw_ref[...]  # [tm, n + 1]: H_pre, then 2 d_ss; [tm, C]
+    for j in range(n):
+        acc = dxo_ref[j].astype(F32) + scalars[:, j:j + 1] * du + scalars[:, n:n + 1] * x_ref[j].astype(F32)
+        acc = acc + lax.dot_general(draw, w_ref[j], _NN, preferred_element_type=F32)
+        dx_ref[j] = acc.astype(dx_ref.dtype)
+
+
+# ------------------------------------------------------------------------------------------ pallas calls
+def _dh_pre(x, du, *, blocks, interpret):
+    """dH_pre [T, n] float32; the slab form in XLA where no tile divides this shard's (T, D)."""
+    n, tokens, dim = x.shape
+    blocks = blocks or mix_blocks(tokens, dim)
+    if blocks is None:
+        return jnp.stack([jnp.sum(a.astype(F32) * du.astype(F32), axis=-1) for a in x], axis=-1)
+    tm, td = blocks
+    return pl.pallas_call(
+        _dh_pre_kernel, grid=(tokens // tm, dim // td),
+        in_specs=[pl.BlockSpec((n, tm, td), lambda t, d: (0, t, d)), pl.BlockSpec((tm, td), lambda t, d: (t, d))],
+        out_specs=pl.BlockSpec((tm, n), lambda t, d: (t, 0)), out_shape=jax.ShapeDtypeStruct((tokens, n), F32),
+        cost_estimate=kernel_costs(n, tokens, dim, 0, x.dtype.itemsize, blocks).dh_pre, interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(x, du)
+
+
+def _dx(x, dxo, du, scalars, draw, w_t, *, blocks, interpret):
+    """dX [n, T, D] on grid (column tile, token tile): W's column tile stays put while the tokens walk. The slab
+    form in XLA where no tile divides this shard's (T, D)."""
+    n, tokens, dim = x.shape
+    blocks = blocks or mix_blocks(tokens, dim)
+    coeffs = draw.shape[1]
+    if blocks is None:
+        du32 = du.astype(F32)
+        return jnp.stack([dxo[j].astype(F32) + scalars[:, j:j + 1] * du32 + scalars[:, n:] * x[j].astype(F32)
+                          + draw @ w_t[j] for j in range(n)]).astype(x.dtype)
+    tm, td = blocks
+    stream = pl.BlockSpec((n, tm, td), lambda d, t: (0, t, d))
+    return pl.pallas_call(
+        _dx_kernel, grid=(dim // td, tokens // tm),
+        in_specs=[stream, stream, pl.BlockSpec((tm, td), lambda d, t: (t, d)),
+                  pl.BlockSpec((tm, n + 1), lambda d, t: (t, 0)), pl.BlockSpec((tm, coeffs), lambda d, t: (t, 0)),
+                  pl.BlockSpec((n, coeffs, td), lambda d, t: (0, 0, d))],
+        out_specs=stream, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, blocks).dx, interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")))(
+            x, dxo, du, scalars, draw, w_t)
+
+
+# ------------------------------------------------------------------------------------------ the function
+Coefficients = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def _forward(coefficients, x, w, params):
+    slabs = [a.astype(F32) for a in x]
+    ss = sum(jnp.sum(s * s, axis=-1) for s in slabs)
+    raw = sum(s @ w[j] for j, s in enumerate(slabs))
+    h_pre, h_post, h_res = coefficients(raw, ss, params)
+    u = sum(h_pre[:, j, None] * s for j, s in enumerate(slabs)).astype(x.dtype)
+    return (x, u, h_post, h_res), (raw, ss, h_pre)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
+def _collapse(coefficients, x, w, params, blocks, interpret):
+    return _forward(coefficients, x, w, params)[0]
+
+
+def _collapse_fwd(coefficients, x, w, params, blocks, interpret):
+    out, (raw, ss, h_pre) = _forward(coefficients, x, w, params)
+    return out, (x, w, params, raw, ss, h_pre)
+
+
+def _collapse_bwd(coefficients, blocks, interpret, residuals, cotangents):
+    x, w, params, raw, ss, h_pre = residuals
+    dxo, du, dh_post, dh_res = cotangents
+    du = du.astype(x.dtype)
+    dh_pre = per_shard(functools.partial(_dh_pre, blocks=blocks, interpret=interpret),
+                       (STREAMS, TOKENS), ("tokens", "streams"))(x, du)
+    _, pullback = jax.vjp(coefficients, raw, ss, params)
+    draw, dss, dparams = pullback((dh_pre, dh_post.astype(F32), dh_res.astype(F32)))
+    scalars = jnp.concatenate([h_pre, 2.0 * dss[:, None]], axis=1)
+    dx = per_shard(functools.partial(_dx, blocks=blocks, interpret=interpret),
+                   (STREAMS, STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "hc_coeffs"),
+                    ("streams", "hc_coeffs", "features")), STREAMS)(
+        x, dxo.astype(x.dtype), du, scalars, draw, jnp.swapaxes(w, 1, 2))
+    dw = jnp.stack([x[j].astype(F32).T @ draw for j in range(x.shape[0])])
+    return dx, dw, dparams
+
+
+_collapse.defvjp(_collapse_fwd, _collapse_bwd)
+
+
+def collapse_streams(coefficients: Coefficients, x: jax.Array, w: jax.Array, params, *,
+                     blocks: tuple[int, int] | None = None, interpret: bool = False
+                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(X, u, H_post, H_res) of the module docstring, with the Pallas backward kernels on each device's token
+    shard (:func:`nash_mhc.sharding.per_shard`).
+
+    ``x`` [n, T, D] (any float dtype), ``w`` [n, D, C] float32, ``params`` a pytree of arrays that
+    ``coefficients(raw [T, C], ss [T], params)`` reads (it returns H_pre [T, n], H_post [T, n], H_res [T, n, n]);
+    ``coefficients`` must be a hashable function of those arguments only. ``blocks``: (token tile, column tile);
+    by default :func:`nash_mhc.ops.stream_mix.mix_blocks` of each shard's (T, D), and the XLA slab form where
+    none divides. ValueError when given tiles do not divide (T, D)."""
+    n, tokens, dim = x.shape
+    if blocks is not None and (tokens % blocks[0] or blocks[0] % 8 or dim % blocks[1]):
+        raise ValueError(f"collapse_streams needs tiles that divide (tokens, dim) = ({tokens}, {dim}) with a token "
+                         f"tile that is a multiple of 8, got {blocks}")
+    return _collapse(coefficients, x, w, params, blocks, interpret)

@@ -1,0 +1,143 @@
+"""The Pallas backward kernels of mHC's stream collapse (nash_mhc.ops.stream_collapse), run in Pallas' interpreter
+on the CPU, composed with the stream-mix kernels into one whole hyper-connection: its gradients against central
+differences of the float64 NumPy reference (tests/reference.py), the per-shard split under a mesh, and the
+declared cost against an independent walk of the grid."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+from helpers import declared, moved
+
+from nash_mhc.layers.hyperconnection import HyperConnection
+from nash_mhc.ops.stream_collapse import collapse_streams, kernel_costs
+from nash_mhc.ops.stream_mix import stream_mix
+from nash_mhc.sharding import make_mesh
+
+N, T, D = 4, 32, 256
+BLOCKS = (16, 128)  # 2 token tiles x 2 column tiles
+
+
+def connection(mode: str, seed: int = 0):
+    """A hyper-connection with every coefficient parameter moved off its initialisation, streams x [n, T, D], the
+    sublayer's gain s [D] (y = u ⊙ s) and the loss weights w [n, T, D]."""
+    rng = np.random.default_rng(seed)
+    hc = HyperConnection(mode, N, D, key=jax.random.key(seed))
+    hc = jax.tree.map(lambda a: a + jnp.asarray(0.3 * rng.normal(size=a.shape), a.dtype), hc)
+    hc = eqx.tree_at(lambda h: h.alpha, hc, jnp.asarray([0.7, -0.5, 0.9], jnp.float32))
+    x, w = (jnp.asarray(rng.normal(size=(N, T, D)), jnp.float32) for _ in range(2))
+    return hc, x, jnp.asarray(1 + 0.5 * rng.normal(size=D), jnp.float32), w
+
+
+def kernel_loss(hc, x, s, w, blocks=BLOCKS):
+    """sum(w ⊙ X') of the connection with the collapse and mix kernels (interpreter)."""
+    xs, u, h_post, h_res = collapse_streams(hc._coefficient_function(), x, hc._weighted_phi(),
+                                            hc._coefficient_params(), blocks=blocks, interpret=True)
+    out = stream_mix(xs, u * s.astype(u.dtype), h_res, h_post, blocks=blocks, interpret=True)
+    return jnp.sum(w * out.astype(jnp.float32))
+
+
+def reference_loss(mode, params, x, s, w, eps, iters):
+    """The same loss in float64 NumPy from tests/reference.py, on token-major X [T, n, D]."""
+    norm_weight, phi, alpha, b_pre, b_post, b_last = params
+    xt = np.swapaxes(x, 0, 1)
+    if mode == "mhc":
+        coefficients = ref.mhc_coefficients(xt, norm_weight, phi, alpha, b_pre, b_post, b_last, eps=eps,
+                                            sinkhorn_iters=iters)
+    else:
+        coefficients = ref.mhc_lite_coefficients(xt, norm_weight, phi, alpha, b_pre, b_post, b_last, eps=eps)
+    out = ref.connection(xt, coefficients, lambda u: u * ref.f64(s))
+    return float(np.sum(np.swapaxes(out, 0, 1) * ref.f64(w)))
+
+
+def parameters(hc):
+    last = hc.b_res if hc.mode == "mhc" else hc.b_perm
+    return [hc.norm.weight, hc.phi, hc.alpha, hc.b_pre, hc.b_post, last]
+
+
+@pytest.mark.parametrize("mode", ["mhc", "mhc-lite"])
+def test_gradients_match_central_differences_of_the_float64_reference(mode):
+    """Every input's gradient, projected on a random direction, against (L(p + εv) − L(p − εv)) / 2ε of the
+    NumPy reference (float64, ε = 1e-4)."""
+    hc, x, s, w = connection(mode)
+    grads = jax.grad(lambda hc, x: kernel_loss(hc, x, s, w), argnums=(0, 1))(hc, x)
+    got = parameters(grads[0]) + [grads[1]]
+    values = [np.asarray(a, np.float64) for a in parameters(hc) + [x]]
+    rng = np.random.default_rng(1)
+    eps = 1e-4
+    for k, (value, grad) in enumerate(zip(values, got, strict=True)):
+        v = rng.normal(size=value.shape)
+
+        def loss(delta, k=k):
+            moved_values = [a + delta if i == k else a for i, a in enumerate(values)]
+            return reference_loss(mode, moved_values[:6], moved_values[6], s, w, hc.norm.eps, hc.sinkhorn_iters)
+        want = (loss(eps * v) - loss(-eps * v)) / (2 * eps)
+        np.testing.assert_allclose(float(np.sum(np.asarray(grad, np.float64) * v)), want, rtol=2e-4,
+                                   atol=2e-4 * np.abs(want) + 1e-3, err_msg=f"argument {k}")
+
+
+def test_bfloat16_streams_follow_the_xla_path_within_bfloat16_rounding():
+    """The kernels' gradients for bf16 streams against JAX's autodiff of the HyperConnection's XLA path."""
+    hc, x, s, w = connection("mhc", seed=2)
+    x = x.astype(jnp.bfloat16)
+
+    def xla_loss(hc, x):
+        out, _ = hc.streams_major(x, lambda u: u * s.astype(u.dtype))
+        return jnp.sum(w * out.astype(jnp.float32))
+    got = jax.grad(lambda hc, x: kernel_loss(hc, x, s, w), argnums=(0, 1))(hc, x)
+    want = jax.grad(xla_loss, argnums=(0, 1))(hc, x)
+    assert got[1].dtype == jnp.bfloat16
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        np.testing.assert_allclose(a, b, atol=2e-2 * np.abs(b).max(), rtol=0)
+
+
+def test_under_a_mesh_each_shard_runs_the_kernels_on_its_tokens():
+    """(data 2, fsdp 2, tp 2): the tokens split four ways; gradients equal one device's to float32 rounding
+    (the parameter gradients add up across shards in another order)."""
+    hc, x, s, w = connection("mhc", seed=3)
+    grad = jax.jit(jax.grad(lambda hc, x: kernel_loss(hc, x, s, w, blocks=None), argnums=(0, 1)))
+    one = grad(hc, x)
+    with jax.set_mesh(make_mesh(2, 2, 2)):
+        sharded = grad(hc, x)
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(one), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
+
+
+def test_bad_tiles_are_refused_with_one_line():
+    hc, x, _, _ = connection("mhc")
+    with pytest.raises(ValueError, match=r"collapse_streams needs tiles that divide \(tokens, dim\) = \(32, 256\)"):
+        collapse_streams(hc._coefficient_function(), x, hc._weighted_phi(), hc._coefficient_params(),
+                         blocks=(24, 128))
+
+
+@pytest.mark.parametrize("tokens,dim,blocks,x_bytes", [(32, 256, (16, 128), 4), (32768, 2048, (256, 512), 2)])
+def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks, x_bytes):
+    tm, td = blocks
+    coeffs = 2 * N + N * N
+    costs = kernel_costs(N, tokens, dim, coeffs, x_bytes, blocks)
+    stream, slab = N * tm * td * x_bytes, tm * td * x_bytes
+    # dh_pre: grid (token, column); dx: grid (column, token), tokens innermost
+    assert costs.dh_pre.flops == 2 * N * tokens * dim
+    assert costs.dh_pre.bytes_accessed == moved((tokens // tm, dim // td), [
+        (stream, lambda t, d: (t, d)), (slab, lambda t, d: (t, d)), (tm * N * 4, lambda t, d: t)])
+    assert costs.dx.flops == 2 * N * tokens * dim * (coeffs + 3)
+    assert costs.dx.bytes_accessed == moved((dim // td, tokens // tm), [
+        (stream, lambda d, t: (t, d)), (stream, lambda d, t: (t, d)), (slab, lambda d, t: (t, d)),
+        (tm * (N + 1) * 4, lambda d, t: t), (tm * coeffs * 4, lambda d, t: t), (N * coeffs * td * 4, lambda d, t: d),
+        (stream, lambda d, t: (t, d))])
+
+    hc = jax.eval_shape(lambda: HyperConnection("mhc", N, dim, key=jax.random.key(0)))
+    dtype = {2: jnp.bfloat16, 4: jnp.float32}[x_bytes]
+    x = jax.ShapeDtypeStruct((N, tokens, dim), dtype)
+
+    def loss(x, w, params):
+        _, u, h_post, h_res = collapse_streams(hc._coefficient_function(), x, w, params, blocks=blocks)
+        return u.astype(jnp.float32).sum() + h_post.sum() + h_res.sum()
+    params = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((3,), (N,), (N,), (N, N)))
+    w = jax.ShapeDtypeStruct((N, dim, coeffs), jnp.float32)
+    assert declared(jax.grad(loss, argnums=(0, 1)), x, w, params) == [costs.dh_pre, costs.dx]
