@@ -166,7 +166,7 @@ def _best_logits(z: jax.Array, gram: jax.Array, prior: jax.Array, temperature: j
                  ) -> tuple[jax.Array, jax.Array]:
     """(T(z), w): the best-response logits b - e(w) / tau_t at w = softmax(z) (0 on unavailable scales)."""
     w = masked_softmax(z, available)
-    cw = jnp.einsum("...lm,...m->...l", gram, w)
+    cw = _matvec(gram, w)
     err = jnp.diagonal(gram, axis1=-2, axis2=-1) - 2.0 * cw + jnp.sum(w * cw, axis=-1, keepdims=True)
     return jnp.where(available, prior - err / temperature[..., None], 0.0), w
 
@@ -174,11 +174,25 @@ def _best_logits(z: jax.Array, gram: jax.Array, prior: jax.Array, temperature: j
 def _newton_matrix(w: jax.Array, gram: jax.Array, temperature: jax.Array, available: jax.Array) -> jax.Array:
     """I - dT/dz at weights w: I - (2 / tau_t) (C - 1 (C w)^T) Sigma_w on the available rows (identity rows on
     the others, whose residual is z itself)."""
-    cw = jnp.einsum("...lm,...m->...l", gram, w)
-    sigma = jnp.einsum("...l,lm->...lm", w, jnp.eye(w.shape[-1], dtype=w.dtype)) - w[..., :, None] * w[..., None, :]
-    jac = 2.0 / temperature[..., None, None] * jnp.einsum("...lk,...km->...lm", gram - cw[..., None, :], sigma)
+    size = w.shape[-1]
+    cw = _matvec(gram, w)
+    ws = [w[..., k] for k in range(size)]
+    left = [[gram[..., i, k] - cw[..., k] for k in range(size)] for i in range(size)]  # C - 1 (C w)^T
+    # (left Sigma_w)[i, m] = left[i, m] w_m - (sum_k left[i, k] w_k) w_m, Sigma_w = diag(w) - w w^T
+    rows = []
+    for i in range(size):
+        weighted = sum(left[i][k] * ws[k] for k in range(size))
+        rows.append(jnp.stack([(left[i][m] - weighted) * ws[m] for m in range(size)], axis=-1))
+    jac = 2.0 / temperature[..., None, None] * jnp.stack(rows, axis=-2)
     jac = jnp.where(available[..., :, None], jac, 0.0)
-    return jnp.eye(w.shape[-1], dtype=w.dtype) - jac
+    return jnp.eye(size, dtype=w.dtype) - jac
+
+
+def _matvec(matrix: jax.Array, vector: jax.Array) -> jax.Array:
+    """``matrix`` [..., L, L] times ``vector`` [..., L] as L x L elementwise multiply-adds over the positions (a
+    batched matmul of L x L matrices would pad each to a TPU tile)."""
+    size = vector.shape[-1]
+    return jnp.stack([sum(matrix[..., i, m] * vector[..., m] for m in range(size)) for i in range(size)], axis=-1)
 
 
 def _residual(z: jax.Array, gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array
