@@ -296,9 +296,15 @@ def multiplicities(computations: dict[str, list[Instruction]], entry: str
                 loops.append((instruction.name, trips, times))
                 walk(instruction.attr("body"), times * trips)
                 walk(instruction.attr("condition"), times * (trips + 1))
-            elif instruction.op in ("call", "conditional"):
-                if instruction.op == "conditional":
+            elif instruction.op == "conditional":
+                # one branch runs whatever the index (XLA runs the last branch for an index out of range): a
+                # conditional the compiler kept around a single computation; a real choice cannot be counted
+                branches = re.search(r"branch_computations=\{([^}]*)\}", instruction.rest)
+                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+                if len(names) != 1:
                     raise EstimateError(f"{instruction.name}: conditionals are not supported")
+                walk(names[0], times)
+            elif instruction.op == "call":
                 walk(instruction.attr("to_apply") or instruction.attr("calls"), times)
 
     walk(entry, 1)
