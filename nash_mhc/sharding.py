@@ -360,20 +360,23 @@ def constrain_batch(x: jax.Array, dim: int = 0) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
-def per_shard(function: Any, in_axes: Sequence[tuple[str, ...]], out_axes: tuple[str, ...]) -> Any:
+def per_shard(function: Any, in_axes: Sequence[tuple[str, ...]], out_axes: Any) -> Any:
     """``function`` (of arrays whose dimensions have the logical names ``in_axes``, returning one array named
-    ``out_axes``) run on each device's shard under the ambient mesh, in ``jax.shard_map``: each dimension split
-    as :func:`logical_spec` splits it (as far as it divides). For an operation the partitioner cannot split
-    itself (a Pallas kernel is one opaque custom call) that needs no communication under this split. Without an
-    ambient mesh, ``function`` itself."""
-    def run(*operands: jax.Array) -> jax.Array:
+    ``out_axes``, or a tuple of arrays named by the tuple ``out_axes``) run on each device's shard under the
+    ambient mesh, in ``jax.shard_map``: each dimension split as :func:`logical_spec` splits it (as far as it
+    divides). For an operation the partitioner cannot split itself (a Pallas kernel is one opaque custom call)
+    that needs no communication under this split. Without an ambient mesh, ``function`` itself."""
+    def run(*operands: jax.Array) -> Any:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or not all(axis in mesh.axis_names for axis in AXES):
             return function(*operands)
         specs = tuple(logical_spec(names, a.shape, mesh)[0] for names, a in zip(in_axes, operands, strict=True))
         out = jax.eval_shape(function, *operands)
-        return jax.shard_map(function, mesh=mesh, in_specs=specs, out_specs=logical_spec(out_axes, out.shape, mesh)[0],
-                             check_vma=False)(*operands)
+        if isinstance(out, tuple):
+            out_specs = tuple(logical_spec(names, o.shape, mesh)[0] for names, o in zip(out_axes, out, strict=True))
+        else:
+            out_specs = logical_spec(out_axes, out.shape, mesh)[0]
+        return jax.shard_map(function, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*operands)
     return run
 
 

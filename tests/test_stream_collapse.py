@@ -1,7 +1,7 @@
-"""The Pallas backward kernels of mHC's stream collapse (nash_mhc.ops.stream_collapse), run in Pallas' interpreter
-on the CPU, composed with the stream-mix kernels into one whole hyper-connection: its gradients against central
-differences of the float64 NumPy reference (tests/reference.py), the per-shard split under a mesh, and the
-declared cost against an independent walk of the grid."""
+"""The Pallas kernels of mHC's stream collapse (nash_mhc.ops.stream_collapse), run in Pallas' interpreter on the
+CPU, composed with the stream-mix kernels into one whole hyper-connection: its value against the float64 NumPy
+reference (tests/reference.py) and its gradients against central differences of that reference, the per-shard
+split under a mesh, and the declared cost against an independent walk of the grid."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_gradients_match_central_differences_of_the_float64_reference(mode):
     """Every input's gradient, projected on a random direction, against (L(p + εv) − L(p − εv)) / 2ε of the
     NumPy reference (float64, ε = 1e-4)."""
     hc, x, s, w = connection(mode)
-    grads = jax.grad(lambda hc, x: kernel_loss(hc, x, s, w), argnums=(0, 1))(hc, x)
+    loss_value, grads = jax.value_and_grad(lambda hc, x: kernel_loss(hc, x, s, w), argnums=(0, 1))(hc, x)
     got = parameters(grads[0]) + [grads[1]]
     values = [np.asarray(a, np.float64) for a in parameters(hc) + [x]]
     rng = np.random.default_rng(1)
@@ -75,6 +75,8 @@ def test_gradients_match_central_differences_of_the_float64_reference(mode):
         def loss(delta, k=k):
             moved_values = [a + delta if i == k else a for i, a in enumerate(values)]
             return reference_loss(mode, moved_values[:6], moved_values[6], s, w, hc.norm.eps, hc.sinkhorn_iters)
+        if k == 0:  # the forward pass itself (the stats kernel's raw projection and sum of squares included)
+            np.testing.assert_allclose(float(loss_value), loss(0.0), rtol=1e-5)
         want = (loss(eps * v) - loss(-eps * v)) / (2 * eps)
         np.testing.assert_allclose(float(np.sum(np.asarray(grad, np.float64) * v)), want, rtol=2e-4,
                                    atol=2e-4 * np.abs(want) + 1e-3, err_msg=f"argument {k}")
@@ -121,7 +123,11 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
     coeffs = 2 * N + N * N
     costs = kernel_costs(N, tokens, dim, coeffs, x_bytes, blocks)
     stream, slab = N * tm * td * x_bytes, tm * td * x_bytes
-    # dh_pre: grid (token, column); dx: grid (column, token), tokens innermost
+    # stats and dh_pre: grid (token, column); dx: grid (column, token), tokens innermost
+    assert costs.stats.flops == 2 * N * tokens * dim * (coeffs + 1)
+    assert costs.stats.bytes_accessed == moved((tokens // tm, dim // td), [
+        (stream, lambda t, d: (t, d)), (N * dim * coeffs * 4, lambda t, d: 0), (tm * coeffs * 4, lambda t, d: t),
+        (tm * 4, lambda t, d: t)])
     assert costs.dh_pre.flops == 2 * N * tokens * dim
     assert costs.dh_pre.bytes_accessed == moved((tokens // tm, dim // td), [
         (stream, lambda t, d: (t, d)), (slab, lambda t, d: (t, d)), (tm * N * 4, lambda t, d: t)])
@@ -143,4 +149,5 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
     params = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((3,), (N,), (N,), (24,)))
     w = jax.ShapeDtypeStruct((N, dim, *lite), jnp.float32)
     lite_costs = kernel_costs(N, tokens, dim, lite[0], x_bytes, blocks)
-    assert declared(jax.grad(loss, argnums=(0, 1)), x, w, params) == [lite_costs.dh_pre, lite_costs.dx]
+    assert declared(jax.grad(loss, argnums=(0, 1)), x, w, params) == [lite_costs.stats, lite_costs.dh_pre,
+                                                                       lite_costs.dx]

@@ -1,11 +1,12 @@
-"""The backward pass of mHC's stream collapse as two Pallas TPU kernels, each stream read once per kernel.
+"""mHC's stream collapse as Pallas TPU kernels, each stream read once per kernel, and its backward pass.
 
 For one hyper-connection, from the streams X [n, T, D], the weighted projection W [n, D, C] (g ⊙ Φ, per stream)
 and the per-token coefficient function of the connection (``coefficients``: raw projection and sum of squares →
 H_pre, H_post, H_res):
 
-    raw = sum_j X_j W_j  [T, C]      ss = sum_j sum_d X_j²  [T]      (H_pre, H_post, H_res) = coefficients(raw, ss)
-    u = sum_j H_pre[:, j] X_j  [T, D]    (rounded once to X's dtype)
+    raw = sum_j X_j W_j  [T, C]      ss = sum_j sum_d X_j²  [T]        kernel "stats"  (reads X once)
+    (H_pre, H_post, H_res) = coefficients(raw, ss)                                      (XLA, [T, C]-sized)
+    u = sum_j H_pre[:, j] X_j  [T, D]    (rounded once to X's dtype)                    (XLA, one fusion)
 
 :func:`collapse_streams` returns (X, u, H_post, H_res): X passes through unchanged, so that the cotangent of the
 stream update that consumes X afterwards (:mod:`nash_mhc.ops.stream_mix`) arrives here and is added to the
@@ -16,12 +17,12 @@ collapse's own in one write. Backward, from (dX_out, du, dH_post, dH_res):
     dX_j = dX_out_j + H_pre[:, j] du + 2 d_ss X_j + d_raw W_jᵀ        kernel "dx"  (reads X, dX_out, du)
     dW_j = X_jᵀ d_raw                                                 (XLA matmul)
 
-XLA's own backward of the slab form spends about 9 ms per 1b sublayer on v6e (compiler estimate,
-``benchmarks/stream_mix_probe.py``), writing float32 copies of the streams and summing the n stream
-gradients in separate passes. Each ``pallas_call`` declares its cost (:func:`kernel_costs`). The forward runs in
-XLA (its fusions read X about once for raw and ss and once for u). Used on TPU only
-(:meth:`nash_mhc.layers.hyperconnection.HyperConnection.streams_major`); ``interpret=True`` runs the kernels in
-Pallas' interpreter (CPU tests).
+In XLA the sum of squares and the projection read X in separate fusions (about 1 ms for one 1b sublayer on v6e
+against 0.33 ms for one read), and XLA's own backward of the slab form spends about 9 ms, writing float32 copies
+of the streams and summing the n stream gradients in separate passes (compiler estimates,
+``benchmarks/stream_mix_probe.py``). Each ``pallas_call`` declares its cost (:func:`kernel_costs`). Used on TPU
+only (:meth:`nash_mhc.layers.hyperconnection.HyperConnection.streams_major`); ``interpret=True`` runs the kernels
+in Pallas' interpreter (CPU tests).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ STREAMS, TOKENS = ("streams", "tokens", "features"), ("tokens", "features")  # l
 
 @dataclasses.dataclass(frozen=True)
 class KernelCosts:
-    """The declared cost of the two backward kernels for one call."""
+    """The declared cost of the forward kernel and the two backward kernels for one call."""
 
+    stats: pl.CostEstimate
     dh_pre: pl.CostEstimate
     dx: pl.CostEstimate
 
@@ -57,6 +59,8 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
     """FLOPs and HBM bytes of the kernels for X [n, T, D] of itemsize ``x_bytes`` (u and dX_out too) and C
     coefficient columns, on tiles ``blocks`` = (token tile, column tile).
 
+    stats: per stream, token and column C multiply-adds of X_j W_j and one of X_j²; reads X and W (whole, once),
+    writes raw (float32 [T, C]) and ss (float32 [T, 1]).
     dh_pre: one multiply-add per stream, token and column; reads X and du, writes dH_pre (float32 [T, n]).
     dx: per stream, token and column C multiply-adds of d_raw W_jᵀ and three more (H_pre du, 2 d_ss X, dX_out);
     reads X, dX_out, du, the per-token scalars [T, n + 1] and d_raw [T, C] (float32) once per column tile (the
@@ -64,14 +68,34 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
     n, elems = streams, tokens * dim
     column_tiles = dim // blocks[1]
     stream, slab = n * elems * x_bytes, elems * x_bytes
+    stats = pl.CostEstimate(flops=2 * (coeffs + 1) * n * elems, transcendentals=0,
+                            bytes_accessed=stream + n * dim * coeffs * 4 + tokens * (coeffs + 1) * 4)
     dh_pre = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
     per_token = tokens * (n + 1 + coeffs) * 4
     dx = pl.CostEstimate(flops=2 * (coeffs + 3) * n * elems, transcendentals=0,
                          bytes_accessed=3 * stream + slab + column_tiles * per_token + n * coeffs * dim * 4)
-    return KernelCosts(dh_pre, dx)
+    return KernelCosts(stats, dh_pre, dx)
 
 
 # -------------------------------------------------------------------------------------------- kernels
+def _stats_kernel(x_ref, w_ref, raw_ref, ss_ref):
+    n, _, td = x_ref.shape
+    columns = pl.ds(pl.multiple_of(pl.program_id(1) * td, td), td)
+    raw, ss = jnp.zeros(raw_ref.shape, F32), jnp.zeros(ss_ref.shape, F32)
+    for j in range(n):
+        xj = x_ref[j].astype(F32)
+        raw = raw + lax.dot_general(xj, w_ref[j, columns, :], _NN, preferred_element_type=F32)
+        ss = ss + jnp.sum(xj * xj, axis=1, keepdims=True)
+
+    @pl.when(pl.program_id(1) == 0)
+    def _start():
+        raw_ref[...] = jnp.zeros(raw_ref.shape, F32)
+        ss_ref[...] = jnp.zeros(ss_ref.shape, F32)
+
+    raw_ref[...] += raw
+    ss_ref[...] += ss
+
+
 def _dh_pre_kernel(x_ref, du_ref, out_ref):
     n = x_ref.shape[0]
     du = du_ref[...].astype(F32)
@@ -98,6 +122,27 @@ def _dx_kernel(x_ref, dxo_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref):
 
 
 # ------------------------------------------------------------------------------------------ pallas calls
+def _stats(x, w, *, blocks, interpret):
+    """(raw = sum_j X_j W_j [T, C], ss = sum_j sum_d X_j² [T]) float32; the slab form in XLA where no tile divides
+    this shard's (T, D)."""
+    n, tokens, dim = x.shape
+    coeffs = w.shape[2]
+    blocks = blocks or mix_blocks(tokens, dim)
+    if blocks is None:
+        slabs = [a.astype(F32) for a in x]
+        return sum(s @ w[j] for j, s in enumerate(slabs)), sum(jnp.sum(s * s, axis=-1) for s in slabs)
+    tm, td = blocks
+    raw, ss = pl.pallas_call(
+        _stats_kernel, grid=(tokens // tm, dim // td),
+        in_specs=[pl.BlockSpec((n, tm, td), lambda t, d: (0, t, d)),
+                  pl.BlockSpec((n, dim, coeffs), lambda t, d: (0, 0, 0))],
+        out_specs=[pl.BlockSpec((tm, coeffs), lambda t, d: (t, 0)), pl.BlockSpec((tm, 1), lambda t, d: (t, 0))],
+        out_shape=[jax.ShapeDtypeStruct((tokens, coeffs), F32), jax.ShapeDtypeStruct((tokens, 1), F32)],
+        cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, blocks).stats, interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(x, w)
+    return raw, ss[:, 0]
+
+
 def _dh_pre(x, du, *, blocks, interpret):
     """dH_pre [T, n] float32; the slab form in XLA where no tile divides this shard's (T, D)."""
     n, tokens, dim = x.shape
@@ -140,22 +185,21 @@ def _dx(x, dxo, du, scalars, draw, w_t, *, blocks, interpret):
 Coefficients = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
-def _forward(coefficients, x, w, params):
-    slabs = [a.astype(F32) for a in x]
-    ss = sum(jnp.sum(s * s, axis=-1) for s in slabs)
-    raw = sum(s @ w[j] for j, s in enumerate(slabs))
+def _forward(coefficients, x, w, params, blocks, interpret):
+    raw, ss = per_shard(functools.partial(_stats, blocks=blocks, interpret=interpret),
+                        (STREAMS, ("streams", "features", "hc_coeffs")), (("tokens", "hc_coeffs"), ("tokens",)))(x, w)
     h_pre, h_post, h_res = coefficients(raw, ss, params)
-    u = sum(h_pre[:, j, None] * s for j, s in enumerate(slabs)).astype(x.dtype)
+    u = sum(h_pre[:, j, None] * a.astype(F32) for j, a in enumerate(x)).astype(x.dtype)
     return (x, u, h_post, h_res), (raw, ss, h_pre)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
 def _collapse(coefficients, x, w, params, blocks, interpret):
-    return _forward(coefficients, x, w, params)[0]
+    return _forward(coefficients, x, w, params, blocks, interpret)[0]
 
 
 def _collapse_fwd(coefficients, x, w, params, blocks, interpret):
-    out, (raw, ss, h_pre) = _forward(coefficients, x, w, params)
+    out, (raw, ss, h_pre) = _forward(coefficients, x, w, params, blocks, interpret)
     return out, (x, w, params, raw, ss, h_pre)
 
 
