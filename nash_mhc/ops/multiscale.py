@@ -28,14 +28,8 @@ def downsample(x: Float[Array, "*batch seq dim"], weights: Float[Array, "block d
     pad = blocks * block - seq
     if pad:
         x = jnp.concatenate([x, jnp.zeros((*batch, pad, dim), x.dtype)], axis=-2)
-    # A weighted sum over the block's offsets, elementwise in float32 (products of the inputs are exact, as in a
-    # matmul's float32 accumulation), each offset a [..., D] slice of the row [..., s·D] that holds its block. As
-    # a matmul the TPU compiler batched over D and contracted s (matrix unit nearly idle); as a reduction over
-    # [..., s, D] it padded s to a tile; the slices cost it about a quarter of either for the forward and
-    # backward pass together (benchmarks/downsample_probe.py).
-    rows = x.reshape(*batch, blocks, block * dim)
-    w = weights.astype(jnp.float32)
-    return sum(rows[..., o * dim:(o + 1) * dim].astype(jnp.float32) * w[o] for o in range(block)).astype(x.dtype)
+    x = x.reshape(*batch, blocks, block, dim)
+    return jnp.einsum("...bod,od->...bd", x, weights.astype(x.dtype))
 
 
 def available_mask(seq_len: int, block: int) -> np.ndarray:
