@@ -55,7 +55,7 @@ from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.sinkhorn import sinkhorn
-from nash_mhc.ops.stream_collapse import collapse_streams, stream_stats, weighted_sum
+from nash_mhc.ops.stream_collapse import collapse_streams
 from nash_mhc.ops.stream_mix import SHARD_AXES, mix_blocks, stream_mix
 from nash_mhc.params import param
 from nash_mhc.sharding import per_shard
@@ -141,7 +141,10 @@ class HyperConnection(eqx.Module):
         RMSNorm(flatten(X)) Φ = rsqrt(mean(X²) + eps) · (X (g ⊙ Φ)): the per-token scale is applied to the
         [T, 2n+n²] projection, not to the [T, n·D] streams, and X is contracted in its own shape, so the
         backward pass keeps X itself and no normalised or reshaped copy of it."""
-        raw, ss = stream_stats(xs, self._weighted_phi())
+        slabs = [a.astype(jnp.float32) for a in xs]
+        weighted_phi = self._weighted_phi()
+        ss = sum(jnp.sum(s * s, axis=-1) for s in slabs)
+        raw = sum(slabs[i] @ weighted_phi[i] for i in range(len(slabs)))
         return self._coefficient_function()(raw, ss, self._coefficient_params())
 
     def _weighted_phi(self) -> Float[Array, "n dim coeffs"]:
@@ -175,27 +178,29 @@ class HyperConnection(eqx.Module):
         axis: on TPU the token-major [T, n, D] puts the n streams in one (n, 128) tile, and the compiler's cost
         model charges a reduction over them about 8 x the slab form (``benchmarks/stream_layout_probe.py``).
         The float32 math is that of the module docstring."""
-        seq = xs.shape[1]
+        n, seq, _ = xs.shape
         if self.mode == "plain":
             y = sublayer(xs[0])
             return xs + y.astype(xs.dtype)[None], jnp.ones((seq, 1, 1), jnp.float32)
         if self.mode == "hc":
             h_pre, h_post, h_res = self.coefficients(jnp.swapaxes(xs, 0, 1))
-            u = weighted_sum(xs, h_pre)
+            slabs = [xs[i].astype(jnp.float32) for i in range(n)]
+            u = sum(h_pre[:, i, None] * slabs[i] for i in range(n)).astype(xs.dtype)
         else:
             xs, u, h_post, h_res = self._mhc_collapse(xs)
         return mix_streams(xs, sublayer(u), h_res, h_post), h_res
 
     def _mhc_collapse(self, xs: Float[Array, "n seq dim"]) -> tuple[
             Float[Array, "n seq dim"], Float[Array, "seq dim"], Float[Array, "seq n"], Float[Array, "seq n n"]]:
-        """(X, u = sum_k H_pre[k] X[k], H_post, H_res) of mhc / mhc-lite. Lowered for TPU, the Pallas kernels of
-        :func:`nash_mhc.ops.stream_collapse.collapse_streams` (the raw projection and sum of squares forward, the
-        stream gradients backward); elsewhere (and where no token tile divides T) the slab form in XLA,
-        differentiated by JAX."""
+        """(X, u = sum_k H_pre[k] X[k], H_post, H_res) of mhc / mhc-lite. Lowered for TPU, the backward pass runs
+        the Pallas kernels of :func:`nash_mhc.ops.stream_collapse.collapse_streams`; elsewhere (and where no
+        token tile divides T) the slab form in XLA, differentiated by JAX. The forward pass is the same XLA."""
         def xla(xs: jax.Array, weighted_phi: jax.Array, params: tuple) -> tuple[jax.Array, ...]:
-            raw, ss = stream_stats(xs, weighted_phi)
+            slabs = [a.astype(jnp.float32) for a in xs]
+            ss = sum(jnp.sum(s * s, axis=-1) for s in slabs)
+            raw = sum(slabs[i] @ weighted_phi[i] for i in range(len(slabs)))
             h_pre, h_post, h_res = coefficients(raw, ss, params)
-            u = weighted_sum(xs, h_pre)
+            u = sum(h_pre[:, i, None] * slabs[i] for i in range(len(slabs))).astype(xs.dtype)
             return xs, u, h_post, h_res
 
         coefficients = self._coefficient_function()

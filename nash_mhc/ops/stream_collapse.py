@@ -122,19 +122,6 @@ def _dx_kernel(x_ref, dxo_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref):
 
 
 # ------------------------------------------------------------------------------------------ pallas calls
-def stream_stats(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(raw = sum_j X_j W_j [T, C], ss = sum_j sum_d X_j² [T]), float32, in XLA over the n [T, D] slabs of
-    x [n, T, D]: what the stats kernel computes, and the CPU's (and GPU's) form of it."""
-    slabs = [a.astype(F32) for a in x]
-    return sum(s @ w[j] for j, s in enumerate(slabs)), sum(jnp.sum(s * s, axis=-1) for s in slabs)
-
-
-def weighted_sum(x: jax.Array, h: jax.Array) -> jax.Array:
-    """u = sum_j h[:, j] X_j [T, D] of x [n, T, D] and h [T, n]: float32 products and sums over the n slabs,
-    rounded once to x's dtype."""
-    return sum(h[:, j, None] * a.astype(F32) for j, a in enumerate(x)).astype(x.dtype)
-
-
 def _stats(x, w, *, blocks, interpret):
     """(raw = sum_j X_j W_j [T, C], ss = sum_j sum_d X_j² [T]) float32; the slab form in XLA where no tile divides
     this shard's (T, D)."""
@@ -142,7 +129,8 @@ def _stats(x, w, *, blocks, interpret):
     coeffs = w.shape[2]
     blocks = blocks or mix_blocks(tokens, dim)
     if blocks is None:
-        return stream_stats(x, w)
+        slabs = [a.astype(F32) for a in x]
+        return sum(s @ w[j] for j, s in enumerate(slabs)), sum(jnp.sum(s * s, axis=-1) for s in slabs)
     tm, td = blocks
     raw, ss = pl.pallas_call(
         _stats_kernel, grid=(tokens // tm, dim // td),
@@ -201,7 +189,7 @@ def _forward(coefficients, x, w, params, blocks, interpret):
     raw, ss = per_shard(functools.partial(_stats, blocks=blocks, interpret=interpret),
                         (STREAMS, ("streams", "features", "hc_coeffs")), (("tokens", "hc_coeffs"), ("tokens",)))(x, w)
     h_pre, h_post, h_res = coefficients(raw, ss, params)
-    u = weighted_sum(x, h_pre)
+    u = sum(h_pre[:, j, None] * a.astype(F32) for j, a in enumerate(x)).astype(x.dtype)
     return (x, u, h_post, h_res), (raw, ss, h_pre)
 
 
