@@ -8,7 +8,7 @@ Each operation counts estimated_cycles x the trip counts of the loops around it 
 :func:`nash_mhc.training.estimate.step_cost` does); a Pallas kernel counts its declared cost at the roofline of
 ``--device-kind`` (:func:`nash_mhc.training.estimate.kernel_roofline`, kind "Pallas kernel"). Kind: the
 operation, or for a fusion the root operation of the fused computation; "matmul" says whether the operation
-contains a convolution or dot.
+contains a convolution or dot, or for a kernel whether its FLOPs (not its bytes) set its roofline.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def breakdown(text: str, device_kind: str | None = None) -> list[tuple[int, int,
     for name, count in times.items():
         for op in computations[name]:
             if (kernel := estimate.kernel_roofline(op, device_kind)) is not None:
-                rows.append((count * kernel[0], count, kernel[0], "Pallas kernel", kernel[2] > 0, op.type, op.name))
+                rows.append((count * kernel[0], count, kernel[0], "Pallas kernel", kernel[2], op.type, op.name))
             elif op.cycles:
                 rows.append((count * op.cycles, count, op.cycles, estimate._kind(computations, op), has_matmul(op),
                              op.type, op.name))

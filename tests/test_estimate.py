@@ -93,6 +93,8 @@ def test_a_pallas_kernel_is_costed_at_the_roofline_libtpu_computes_from_its_decl
     assert step_cost(text).uncosted == {"custom-call": 1}  # without a device kind: listed, not costed
     cost = step_cost(text, kind)
     assert cost.kernel_cycles == cost.cycles == cost.cycles_once > 0 and cost.uncosted == {}
+    # matrix work only when its FLOPs, not its bytes, set the roofline
+    assert cost.matmul_cycles == (cost.cycles if flops == 10**12 else 0)
     assert cost.hbm_bytes == 2 * 4096 * 512 * 4
     assert cost.seconds(CLOCK_HZ[kind]) == pytest.approx(compiled.cost_analysis()["optimal_seconds"], rel=0.01)
 
@@ -217,7 +219,7 @@ def test_the_train_steps_loops_match_an_unrolled_compile_of_the_same_step():
     """mhc + multiscale + nash with every kind of loop (2 microbatches, 2 loss chunks, remat in groups of 2
     layers, 5 Nash iterations; Sinkhorn's 3 run inside its Pallas kernels) and the flash and stream kernels:
     the loops the estimate finds have the configured trip counts, and the matmuls of the step add up to those
-    of the fully unrolled compile within 10 % (seen: 1.02 x; 1.04 x before the stream kernels). The rest of the
+    of the fully unrolled compile within 10 % (seen: 1.03 x; 1.04 x before the stream kernels). The rest of the
     scanned program costs more than the unrolled one (seen: 1.04 x in all, 1.12 x before): stacking the saved
     activations into the scan's buffers and slicing the stacked weights, work the unrolled program does not do.
     (This check found grouped remat recomputing each group's last layer for nothing: the unrolled program

@@ -268,6 +268,7 @@ class StepCost:
 
     cycles: int                         # sum of estimated_cycles x multiplicity
     matmul_cycles: int                  # the part spent in operations that contain a matmul (convolution/dot)
+                                        # and in Pallas kernels bound by their FLOPs (kernel_roofline)
     hbm_bytes: int                      # HBM bytes read and written by the scheduled operations
     collective_bytes: int               # operand + result bytes of the collectives, per chip
     loops: tuple[tuple[str, int, int], ...]  # (while instruction, trip count, times the loop itself runs)
@@ -311,16 +312,18 @@ def multiplicities(computations: dict[str, list[Instruction]], entry: str
     return multiplicity, loops
 
 
-def kernel_roofline(instruction: Instruction, device_kind: str | None) -> tuple[int, int, int] | None:
-    """(cycles, HBM bytes, FLOPs) of a Pallas kernel from its declared ``CostEstimate`` at the roofline of
-    ``device_kind``; None for any other operation, a kernel without a declaration, or an unknown device kind."""
+def kernel_roofline(instruction: Instruction, device_kind: str | None) -> tuple[int, int, bool] | None:
+    """(cycles, HBM bytes, bound by its FLOPs) of a Pallas kernel from its declared ``CostEstimate`` at the
+    roofline of ``device_kind``; None for any other operation, a kernel without a declaration, or an unknown
+    device kind. A kernel whose FLOPs at the chip's matrix peak outlast its bytes is matrix work (flash
+    attention); one bound by its bytes is not, whatever multiply-adds it declares (the mHC stream kernels)."""
     match = _DECLARED.search(instruction.rest) if instruction.op == "custom-call" else None
     if match is None or device_kind not in CLOCK_HZ:
         return None
     flops, moved = int(match.group(1)), int(match.group(2))
     flops_per_second, bytes_per_second = ROOFLINE[device_kind]
-    seconds = max(flops / flops_per_second, moved / bytes_per_second)
-    return math.ceil(seconds * CLOCK_HZ[device_kind]), moved, flops
+    compute, memory = flops / flops_per_second, moved / bytes_per_second
+    return math.ceil(max(compute, memory) * CLOCK_HZ[device_kind]), moved, flops > 0 and compute >= memory
 
 
 def step_cost(hlo_text: str, device_kind: str | None = None) -> StepCost:
@@ -349,7 +352,7 @@ def step_cost(hlo_text: str, device_kind: str | None = None) -> StepCost:
                 continue
             roofline = kernel_roofline(instruction, device_kind)
             if roofline is not None:
-                cost, moved, flops = roofline
+                cost, moved, compute_bound = roofline
                 kernel += times * cost
             else:
                 if op == "fusion":
@@ -368,7 +371,7 @@ def step_cost(hlo_text: str, device_kind: str | None = None) -> StepCost:
                 continue
             cycles += times * cost
             once += cost
-            if (flops > 0) if roofline is not None else has_matmul(instruction):
+            if compute_bound if roofline is not None else has_matmul(instruction):
                 matmul += times * cost
     return StepCost(cycles=cycles, matmul_cycles=matmul, hbm_bytes=hbm, collective_bytes=collective,
                     loops=tuple(loops), uncosted=dict(uncosted), uncosted_bytes=uncosted_bytes, cycles_once=once,
