@@ -55,7 +55,7 @@ from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.sinkhorn import sinkhorn
-from nash_mhc.ops.stream_collapse import collapse_streams
+from nash_mhc.ops.stream_collapse import collapse_streams, stream_stats, weighted_sum
 from nash_mhc.ops.stream_mix import SHARD_AXES, mix_blocks, stream_mix
 from nash_mhc.params import param
 from nash_mhc.sharding import per_shard
@@ -141,10 +141,7 @@ class HyperConnection(eqx.Module):
         RMSNorm(flatten(X)) Φ = rsqrt(mean(X²) + eps) · (X (g ⊙ Φ)): the per-token scale is applied to the
         [T, 2n+n²] projection, not to the [T, n·D] streams, and X is contracted in its own shape, so the
         backward pass keeps X itself and no normalised or reshaped copy of it."""
-        slabs = [a.astype(jnp.float32) for a in xs]
-        weighted_phi = self._weighted_phi()
-        ss = sum(jnp.sum(s * s, axis=-1) for s in slabs)
-        raw = sum(slabs[i] @ weighted_phi[i] for i in range(len(slabs)))
+        raw, ss = stream_stats([a.astype(jnp.float32) for a in xs], self._weighted_phi())
         return self._coefficient_function()(raw, ss, self._coefficient_params())
 
     def _weighted_phi(self) -> Float[Array, "n dim coeffs"]:
@@ -184,8 +181,7 @@ class HyperConnection(eqx.Module):
             return xs + y.astype(xs.dtype)[None], jnp.ones((seq, 1, 1), jnp.float32)
         if self.mode == "hc":
             h_pre, h_post, h_res = self.coefficients(jnp.swapaxes(xs, 0, 1))
-            slabs = [xs[i].astype(jnp.float32) for i in range(n)]
-            u = sum(h_pre[:, i, None] * slabs[i] for i in range(n)).astype(xs.dtype)
+            u = weighted_sum([xs[i].astype(jnp.float32) for i in range(n)], h_pre).astype(xs.dtype)
         else:
             xs, u, h_post, h_res = self._mhc_collapse(xs)
         return mix_streams(xs, sublayer(u), h_res, h_post), h_res
@@ -193,15 +189,14 @@ class HyperConnection(eqx.Module):
     def _mhc_collapse(self, xs: Float[Array, "n seq dim"]) -> tuple[
             Float[Array, "n seq dim"], Float[Array, "seq dim"], Float[Array, "seq n"], Float[Array, "seq n n"]]:
         """(X, u = sum_k H_pre[k] X[k], H_post, H_res) of mhc / mhc-lite. Lowered for TPU, the backward pass runs
-        the Pallas kernels of :func:`nash_mhc.ops.stream_collapse.collapse_streams`; elsewhere (and where no
-        token tile divides T) the slab form in XLA, differentiated by JAX. The forward pass is the same XLA."""
+        the Pallas kernels of :func:`nash_mhc.ops.stream_collapse.collapse_streams` (the raw projection and sum
+        of squares forward, the stream gradients backward); elsewhere (and where no token tile divides T) the slab
+        form in XLA, differentiated by JAX."""
         def xla(xs: jax.Array, weighted_phi: jax.Array, params: tuple) -> tuple[jax.Array, ...]:
             slabs = [a.astype(jnp.float32) for a in xs]
-            ss = sum(jnp.sum(s * s, axis=-1) for s in slabs)
-            raw = sum(slabs[i] @ weighted_phi[i] for i in range(len(slabs)))
+            raw, ss = stream_stats(slabs, weighted_phi)
             h_pre, h_post, h_res = coefficients(raw, ss, params)
-            u = sum(h_pre[:, i, None] * slabs[i] for i in range(len(slabs))).astype(xs.dtype)
-            return xs, u, h_post, h_res
+            return xs, weighted_sum(slabs, h_pre).astype(xs.dtype), h_post, h_res
 
         coefficients = self._coefficient_function()
         operands = (xs, self._weighted_phi(), self._coefficient_params())

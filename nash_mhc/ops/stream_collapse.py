@@ -122,6 +122,18 @@ def _dx_kernel(x_ref, dxo_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref):
 
 
 # ------------------------------------------------------------------------------------------ pallas calls
+def stream_stats(slabs: list[jax.Array], w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(raw = sum_j X_j W_j [T, C], ss = sum_j sum_d X_j² [T]) of the n float32 slabs X_j [T, D], in XLA: what the
+    stats kernel computes, and the CPU's (and GPU's) form of it. The caller makes the slab list once and shares
+    it with :func:`weighted_sum`, so the backward pass adds each stream's gradients slab by slab."""
+    return sum(s @ w[j] for j, s in enumerate(slabs)), sum(jnp.sum(s * s, axis=-1) for s in slabs)
+
+
+def weighted_sum(slabs: list[jax.Array], h: jax.Array) -> jax.Array:
+    """u = sum_j h[:, j] X_j, float32 [T, D], of the n float32 slabs X_j [T, D] and h [T, n]."""
+    return sum(h[:, j, None] * s for j, s in enumerate(slabs))
+
+
 def _stats(x, w, *, blocks, interpret):
     """(raw = sum_j X_j W_j [T, C], ss = sum_j sum_d X_j² [T]) float32; the slab form in XLA where no tile divides
     this shard's (T, D)."""
@@ -129,8 +141,7 @@ def _stats(x, w, *, blocks, interpret):
     coeffs = w.shape[2]
     blocks = blocks or mix_blocks(tokens, dim)
     if blocks is None:
-        slabs = [a.astype(F32) for a in x]
-        return sum(s @ w[j] for j, s in enumerate(slabs)), sum(jnp.sum(s * s, axis=-1) for s in slabs)
+        return stream_stats([a.astype(F32) for a in x], w)
     tm, td = blocks
     raw, ss = pl.pallas_call(
         _stats_kernel, grid=(tokens // tm, dim // td),
@@ -189,7 +200,7 @@ def _forward(coefficients, x, w, params, blocks, interpret):
     raw, ss = per_shard(functools.partial(_stats, blocks=blocks, interpret=interpret),
                         (STREAMS, ("streams", "features", "hc_coeffs")), (("tokens", "hc_coeffs"), ("tokens",)))(x, w)
     h_pre, h_post, h_res = coefficients(raw, ss, params)
-    u = sum(h_pre[:, j, None] * a.astype(F32) for j, a in enumerate(x)).astype(x.dtype)
+    u = weighted_sum([a.astype(F32) for a in x], h_pre).astype(x.dtype)
     return (x, u, h_post, h_res), (raw, ss, h_pre)
 
 
