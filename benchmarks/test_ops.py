@@ -25,7 +25,7 @@ def test_sinkhorn(benchmark, timed, n, tokens):
 @pytest.mark.parametrize("tokens", [1024, 8192])
 def test_nash_aggregation(benchmark, timed, scales, tokens):
     dim = 256
-    outputs = jax.random.normal(jax.random.key(0), (tokens, scales, dim))
+    outputs = list(jax.random.normal(jax.random.key(0), (scales, tokens, dim)))  # the L outputs, one array each
     available = jnp.ones((tokens, scales), bool)
     prior = jnp.zeros((scales,))
     weights = jax.jit(functools.partial(nash_weights, num_iters=ModelConfig().nash_iters))

@@ -163,7 +163,7 @@ def _attention_step(attn: MultiscaleAttention, x: Float[Array, "1 dim"], cache: 
         coarse_outputs.append(o_l)
         outputs.append(o_l.reshape(1, dim))
         available.append(position + 1 >= block)
-    combined = attn.aggregation(jnp.stack(outputs, axis=1), jnp.stack(available)[None]).output
+    combined = attn.aggregation(outputs, jnp.stack(available)[None]).output
     out = attn.output(combined.reshape(1, heads, head_dim))
     return out, DecodeCache(keys=keys, values=values, inputs=inputs, coarse_keys=tuple(coarse_keys),
                             coarse_values=tuple(coarse_values),

@@ -30,9 +30,14 @@ reference_game, reference_nash = ref.nash_game, ref.nash
 FLOOR = 1.05  # c of τ_eff = τ + c·λmax(C), as the docstring of nash_mhc.ops.aggregation states it
 
 
+def slabs(outputs: jax.Array) -> list[jax.Array]:
+    """The L scale outputs of a stacked [..., L, D] array as the separate [..., D] arrays the aggregation takes."""
+    return [outputs[..., s, :] for s in range(outputs.shape[-2])]
+
+
 @functools.cache
 def jitted_weights(num_iters: int):
-    return jax.jit(functools.partial(nash_weights, num_iters=num_iters))
+    return jax.jit(lambda outputs, *args: nash_weights(slabs(outputs), *args, num_iters=num_iters))
 
 
 def random_outputs(seed: int, seq: int, scales: int, dim: int, spreads=(1.0, 2.0, 0.5)) -> np.ndarray:
@@ -139,7 +144,7 @@ def test_two_distinct_scales_move_the_weights_well_away_from_the_prior():
     moves = []
     for p0 in (0.55, 0.6, 0.65, 0.7):
         prior = jnp.asarray([np.log(p0 / (1 - p0)), 0.0], jnp.float32)
-        w, residual = nash_weights(outputs, available, prior, jnp.asarray(1e-6), num_iters=DEFAULT.nash_iters)
+        w, residual = nash_weights(slabs(outputs), available, prior, jnp.asarray(1e-6), num_iters=DEFAULT.nash_iters)
         assert float(residual[0]) <= 1e-5
         moves.append(0.5 * float(jnp.sum(jnp.abs(w[0] - prior_weights(prior, available)[0]))))
     assert max(moves) >= 0.2, moves
@@ -152,9 +157,9 @@ def test_rescaling_every_output_moves_no_weights_nor_sparsity_term():
     layers = [aggregation("nash", prior=[0.3, -0.2, 0.5], temperature=0.05),  # a trained-looking prior
               eqx.tree_at(lambda m: m.gate, aggregation("gate", prior=[0.3, -0.2, 0.5]), gate)]
     for layer in layers:
-        base = layer(outputs, available)
+        base = layer(slabs(outputs), available)
         for factor in (1e-2, 10.0, 1e3):
-            scaled = layer(outputs * factor, available)
+            scaled = layer(slabs(outputs * factor), available)
             assert float(jnp.max(jnp.abs(scaled.weights - base.weights))) <= 1e-5, (layer.mode, factor)
             assert float(jnp.max(jnp.abs(scaled.entropy - base.entropy))) <= 1e-5
             assert float(jnp.max(jnp.abs(scaled.output - factor * base.output))) <= 1e-5 * factor
@@ -170,8 +175,8 @@ def test_gradients_through_the_solver_match_finite_differences_in_float64():
 
         def objective(outputs, prior, tau):  # check_grads passes NumPy arrays for the perturbed points
             outputs, prior, tau = jnp.asarray(outputs), jnp.asarray(prior), jnp.asarray(tau)
-            w, _ = nash_weights(outputs, available, prior, tau, num_iters=DEFAULT.nash_iters)
-            return jnp.sum(combine(outputs, w) * target) + jnp.sum(normalised_entropy(w, available))
+            w, _ = nash_weights(slabs(outputs), available, prior, tau, num_iters=DEFAULT.nash_iters)
+            return jnp.sum(combine(slabs(outputs), w) * target) + jnp.sum(normalised_entropy(w, available))
 
         for tau in (0.3, 1e-3):  # a cold game is close to critical: the implicit solve matters most there
             args = (outputs, jnp.asarray([0.2, -0.1, 0.4], jnp.float64), jnp.asarray(tau, jnp.float64))
@@ -184,7 +189,7 @@ def test_every_aggregation_starts_almost_entirely_on_scale_zero():
     outputs = jnp.asarray(random_outputs(3, 64, 3, 16))
     available = jnp.asarray(np.arange(64)[:, None] + 1 >= np.array([1, 2, 4])[None, :])
     for mode in ("nash", "gate", "convex"):
-        weights = aggregation(mode)(outputs, available).weights
+        weights = aggregation(mode)(slabs(outputs), available).weights
         assert float(jnp.min(weights[:, 0])) >= 0.99 - 1e-6, mode
     np.testing.assert_allclose(np.asarray(prior_weights(aggregation("convex").prior, jnp.ones((1, 3), bool))),
                                [[0.99, 0.005, 0.005]], atol=1e-6)
@@ -194,23 +199,23 @@ def test_the_gate_starts_at_the_prior_and_learns_from_the_outputs():
     outputs = jnp.asarray(random_outputs(5, 16, 3, 16))
     available = jnp.ones((16, 3), bool)
     layer = aggregation("gate", prior=[0.3, -0.2, 0.5])
-    np.testing.assert_allclose(np.asarray(layer(outputs, available).weights),
+    np.testing.assert_allclose(np.asarray(layer(slabs(outputs), available).weights),
                                np.asarray(prior_weights(layer.prior, available)), atol=1e-7)
-    grad = jax.grad(lambda g: jnp.sum(gate_weights(outputs, available, layer.prior, g)[:, 1] * jnp.arange(16)))(
+    grad = jax.grad(lambda g: jnp.sum(gate_weights(slabs(outputs), available, layer.prior, g)[:, 1] * jnp.arange(16)))(
         layer.gate)
     assert float(jnp.max(jnp.abs(grad))) > 1e-3  # zero-initialised but not stuck
-    moved = gate_weights(outputs, available, layer.prior, grad)
-    assert float(jnp.max(jnp.abs(moved - layer(outputs, available).weights))) > 0.01  # input-dependent
+    moved = gate_weights(slabs(outputs), available, layer.prior, grad)
+    assert float(jnp.max(jnp.abs(moved - layer(slabs(outputs), available).weights))) > 0.01  # input-dependent
 
 
 def test_the_temperature_is_learned_and_changes_the_weights():
     outputs = jnp.asarray(random_outputs(4, 16, 3, 16))
     available = jnp.ones((16, 3), bool)
     prior = jnp.asarray([0.5, 0.0, 0.0])
-    hot = nash_weights(outputs, available, prior, jnp.asarray(10.0), num_iters=16)[0]
-    cold = nash_weights(outputs, available, prior, jnp.asarray(0.01), num_iters=16)[0]
+    hot = nash_weights(slabs(outputs), available, prior, jnp.asarray(10.0), num_iters=16)[0]
+    cold = nash_weights(slabs(outputs), available, prior, jnp.asarray(0.01), num_iters=16)[0]
     assert float(jnp.max(jnp.abs(hot - cold))) > 0.02
-    grad = jax.grad(lambda t: jnp.sum(nash_weights(outputs, available, prior, t, num_iters=16)[0][:, 1]))(
+    grad = jax.grad(lambda t: jnp.sum(nash_weights(slabs(outputs), available, prior, t, num_iters=16)[0][:, 1]))(
         jnp.asarray(0.1))
     assert bool(jnp.isfinite(grad)) and float(grad) != 0.0
 
@@ -239,8 +244,8 @@ def test_identical_outputs_give_finite_gradients():
     target = jax.random.normal(jax.random.key(3), (12, 8))
 
     def loss(outputs, prior, tau):
-        w, _ = nash_weights(outputs, available, prior, tau, num_iters=16)
-        return jnp.sum(combine(outputs, w) * target) + jnp.sum(normalised_entropy(w, available))
+        w, _ = nash_weights(slabs(outputs), available, prior, tau, num_iters=16)
+        return jnp.sum(combine(slabs(outputs), w) * target) + jnp.sum(normalised_entropy(w, available))
 
     for dtype in (jnp.float32, jnp.bfloat16):
         grads = jax.grad(loss, argnums=(0, 1, 2))(same.astype(dtype), jnp.zeros(3), jnp.asarray(0.1))
@@ -273,7 +278,7 @@ def test_the_largest_eigenvalue_matches_eigvalsh_in_float64(scales):
     available = rng.random((512, scales)) < 0.7
     available[:, 0] = True
     available[:64] = True
-    gram, spread = scale_game(jnp.asarray(outputs, jnp.float32), jnp.asarray(available))
+    gram, spread = scale_game(slabs(jnp.asarray(outputs, jnp.float32)), jnp.asarray(available))
     expected = np.linalg.eigvalsh(centred_gram64(outputs, available))[..., -1]
     trace = np.trace(centred_gram64(outputs, available), axis1=-2, axis2=-1)
     np.testing.assert_array_less(np.abs(np.asarray(spread, np.float64) - expected), 1e-5 * np.maximum(trace, 1e-6))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import equinox as eqx
@@ -48,7 +49,8 @@ class ScaleAggregation(eqx.Module):
     ``gate``: softmax(b + W o(O)), input-dependent per position, W [L, L, D] zero-initialised (so it starts at the
     prior): the baseline for ``nash`` that learns from the same outputs without a game. ``convex``: softmax(b)
     alone, masked to the available scales (a constant per layer). b starts at :func:`initial_prior` (scale 0
-    weighs :data:`SCALE0_PRIOR_WEIGHT`). All rematerialise in the backward pass (only the stacked outputs are kept).
+    weighs :data:`SCALE0_PRIOR_WEIGHT`). All rematerialise in the backward pass (only the outputs are kept). The
+    outputs come as L separate [..., T, D] arrays, never stacked (:mod:`nash_mhc.ops.aggregation`).
     """
 
     prior: Float[Array, "scales"] = param("coefficient", "scales", group="aggregation_prior")
@@ -71,15 +73,15 @@ class ScaleAggregation(eqx.Module):
         return None if self.log_temperature is None else jnp.exp(self.log_temperature)
 
     @jaxtyped(typechecker=beartype)
-    def __call__(self, outputs: Float[Array, "*batch seq scales dim"], available: Bool[Array, "seq scales"]
+    def __call__(self, outputs: Sequence[Float[Array, "*batch seq dim"]], available: Bool[Array, "seq scales"]
                  ) -> Aggregated:
-        available = jnp.broadcast_to(available, outputs.shape[:-1])
+        available = jnp.broadcast_to(available, (*outputs[0].shape[:-1], len(outputs)))
 
         @functools.partial(jax.checkpoint, prevent_cse=False)
-        def aggregate(outputs: jax.Array, params: tuple[jax.Array, jax.Array | None, jax.Array | None]
+        def aggregate(outputs: list[jax.Array], params: tuple[jax.Array, jax.Array | None, jax.Array | None]
                       ) -> Aggregated:
             prior, log_temperature, gate = params
-            residual = jnp.zeros(outputs.shape[:-2], jnp.float32)
+            residual = jnp.zeros(outputs[0].shape[:-1], jnp.float32)
             if log_temperature is not None:
                 weights, residual = nash_weights(outputs, available, prior, jnp.exp(log_temperature),
                                                  num_iters=self.num_iters)
@@ -90,4 +92,4 @@ class ScaleAggregation(eqx.Module):
             return Aggregated(combine(outputs, weights), weights, normalised_entropy(weights, available),
                               residual.astype(weights.dtype))
 
-        return aggregate(outputs, (self.prior, self.log_temperature, self.gate))
+        return aggregate(list(outputs), (self.prior, self.log_temperature, self.gate))

@@ -142,7 +142,6 @@ class MultiscaleAttention(eqx.Module):
                 up, avail = upsample_shifted(o_l, seq, block)
                 outputs.append(up)
                 masks.append(avail)
-            combined, weights, entropy, residual = self.aggregation(jnp.stack(outputs, axis=2),
-                                                                    jnp.stack(masks, axis=1))
+            combined, weights, entropy, residual = self.aggregation(outputs, jnp.stack(masks, axis=1))
             out = combined.reshape(batch, seq, heads, head_dim)
         return self.output(out), weights, entropy, residual

@@ -46,6 +46,7 @@ inputs), per position: weights are never pooled over the sequence, which would l
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -56,8 +57,9 @@ from jaxtyping import Array, Bool, Float, jaxtyped
 FLOOR = 1.05  # c of tau_t = tau + c lambda_max(C): every log-odds moves by < 2 / c = 1.90 nats from the prior
 SCALE_FLOOR = 1e-30  # outputs with mean square below this count as all zero (their game is the prior's)
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-6, jnp.dtype(jnp.float64): 1e-12}  # target max_l |w - BR(w)|
-# Sums over the scales add the separate [..., D] slabs O[..., l, :], never reduce over the stacked scales axis: on
-# TPU the few scales of [..., L, D] share a (4, 128) tile, and the cost model charges that reduction ~8x.
+# The scale outputs come as L separate [..., D] slabs, never stacked into [..., L, D]: on a TPU the few scales of a
+# stacked array share each (8, 128) tile (a bfloat16 [..., 3, D] fills 3 of its 16 rows), so writing the stack, and
+# every sum over its scales axis, moves several times the outputs' bytes (docs/tpu.md).
 
 
 def _compute_dtype(*arrays: jax.Array) -> jnp.dtype:
@@ -79,30 +81,32 @@ def masked_softmax(logits: Float[Array, "*batch scales"], available: Bool[Array,
 
 
 @jaxtyped(typechecker=beartype)
-def normalised_outputs(outputs: Float[Array, "*batch scales dim"], available: Bool[Array, "*#batch scales"]
-                       ) -> Float[Array, "*batch scales dim"]:
-    """O_l / sqrt(S), S = mean over the available scales of |O_l|^2 / D (0 on unavailable scales), in the compute
-    dtype: what the game and the gate read, unchanged when every output is rescaled alike."""
-    dtype = _compute_dtype(outputs)
-    o = jnp.where(available[..., None], outputs.astype(dtype), 0.0)
-    count = jnp.maximum(jnp.sum(jnp.broadcast_to(available, o.shape[:-1]), axis=-1), 1)
-    scale = sum(jnp.mean(o[..., s, :] * o[..., s, :], axis=-1) for s in range(o.shape[-2])) / count
-    # All-zero outputs (S = 0) stay zero; dividing by 1 there keeps the gradient finite (no 1/tiny).
-    return o * jax.lax.rsqrt(jnp.where(scale > SCALE_FLOOR, scale, 1.0))[..., None, None]
+def output_scale(outputs: Sequence[Float[Array, "*batch dim"]], available: Bool[Array, "*#batch scales"]
+                 ) -> tuple[list[Float[Array, "*batch dim"]], Float[Array, "*batch"]]:
+    """(the L outputs O_l [..., D] in the compute dtype, 0 on unavailable scales; their scale S [...], the mean over
+    the available scales of |O_l|^2 / D). The game and the gate read the outputs over sqrt(S), so rescaling every
+    output alike moves nothing; both divide their reductions by S instead of the outputs (one pass over the
+    outputs). All-zero outputs (S below :data:`SCALE_FLOOR`) get S = 1: they stay zero, with finite gradients."""
+    dtype = _compute_dtype(*outputs)
+    available = jnp.broadcast_to(available, (*outputs[0].shape[:-1], len(outputs)))
+    o = [jnp.where(available[..., s, None], x.astype(dtype), 0.0) for s, x in enumerate(outputs)]
+    count = jnp.maximum(jnp.sum(available, axis=-1), 1)
+    scale = sum(jnp.mean(x * x, axis=-1) for x in o) / count
+    return o, jnp.where(scale > SCALE_FLOOR, scale, 1.0)
 
 
 @jaxtyped(typechecker=beartype)
-def scale_game(outputs: Float[Array, "*batch scales dim"], available: Bool[Array, "*#batch scales"]
+def scale_game(outputs: Sequence[Float[Array, "*batch dim"]], available: Bool[Array, "*#batch scales"]
                ) -> tuple[Float[Array, "*batch scales scales"], Float[Array, "*batch"]]:
-    """(C, lambda_max(C)): the Gram matrix of the centred available outputs over D S (0 on unavailable rows and
-    columns) and its largest eigenvalue."""
-    o = normalised_outputs(outputs, available)
-    mask = jnp.broadcast_to(available, o.shape[:-1]).astype(o.dtype)
+    """(C, lambda_max(C)): the Gram matrix of the centred available outputs O_l [..., D] over D S (0 on unavailable
+    rows and columns) and its largest eigenvalue."""
+    o, scale = output_scale(outputs, available)
+    mask = jnp.broadcast_to(available, (*o[0].shape[:-1], len(o))).astype(o[0].dtype)
     count = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
-    mean = sum(o[..., s, :] for s in range(o.shape[-2])) / count[..., None]
-    centred = [(o[..., s, :] - mean) * mask[..., s, None] for s in range(o.shape[-2])]
+    mean = sum(o) / count[..., None]
+    centred = [(x - mean) * mask[..., s, None] for s, x in enumerate(o)]
     rows = [jnp.stack([jnp.mean(a * b, axis=-1) for b in centred], axis=-1) for a in centred]
-    gram = jnp.stack(rows, axis=-2)
+    gram = jnp.stack(rows, axis=-2) / scale[..., None, None]
     return gram, largest_eigenvalue(gram, available)
 
 
@@ -251,7 +255,7 @@ def _solve_equilibrium_jvp(max_iters: int, primals: tuple[Any, ...], tangents: t
 
 @jaxtyped(typechecker=beartype)
 def nash_weights(
-    outputs: Float[Array, "*batch scales dim"],
+    outputs: Sequence[Float[Array, "*batch dim"]],
     available: Bool[Array, "*#batch scales"],
     prior: Float[Array, "scales"],
     temperature: Float[Array, ""],
@@ -260,6 +264,7 @@ def nash_weights(
 ) -> tuple[Float[Array, "*batch scales"], Float[Array, "*batch"]]:
     """(weights, residual): the scales' quantal-response equilibrium at every position, and how far from it.
 
+    ``outputs``: the L scale outputs O_l [..., D], one array each.
     ``temperature`` is the learned tau > 0; the game uses tau + :data:`FLOOR` lambda_max(C) (module docstring),
     solved by at most ``num_iters`` safeguarded Newton steps to the dtype's :data:`TOLERANCE`. Unavailable
     scales get weight exactly 0; a position with one available scale gets weight 1 on it and residual 0.
@@ -267,7 +272,7 @@ def nash_weights(
     """
     if num_iters < 1:
         raise ValueError(f"nash_weights needs num_iters >= 1, got {num_iters}")
-    dtype = _compute_dtype(outputs, prior, temperature)
+    dtype = _compute_dtype(*outputs, prior, temperature)
     gram, spread = scale_game(outputs, available)
     effective = temperature.astype(dtype) + FLOOR * spread
     available = jnp.broadcast_to(available, gram.shape[:-1])
@@ -284,25 +289,27 @@ def prior_weights(prior: Float[Array, "scales"], available: Bool[Array, "*batch 
 
 
 @jaxtyped(typechecker=beartype)
-def gate_weights(outputs: Float[Array, "*batch scales dim"], available: Bool[Array, "*#batch scales"],
+def gate_weights(outputs: Sequence[Float[Array, "*batch dim"]], available: Bool[Array, "*#batch scales"],
                  prior: Float[Array, "scales"], gate: Float[Array, "scales scales dim"]
                  ) -> Float[Array, "*batch scales"]:
     """The gate aggregation: softmax over the available scales of b_l + sum_m <W_lm, O_m> / sqrt(D S).
 
-    The logits read every available scale's output, normalised like the game's (:func:`normalised_outputs`, so
+    The logits read every available scale's output over sqrt(S), like the game (:func:`output_scale`, so
     rescaling V or W_o cannot move them); ``gate`` W [L, L, D] starts at 0, so the weights start at the prior.
     """
-    o = normalised_outputs(outputs, available)
-    logits = prior.astype(o.dtype) + jnp.einsum("...md,lmd->...l", o, gate.astype(o.dtype)) / o.shape[-1] ** 0.5
-    return masked_softmax(logits, available)
+    o, scale = output_scale(outputs, available)
+    gate = gate.astype(o[0].dtype)
+    scores = sum(jnp.einsum("...d,ld->...l", x, gate[:, m]) for m, x in enumerate(o))
+    scores = scores * jax.lax.rsqrt(scale * o[0].shape[-1])[..., None]
+    return masked_softmax(prior.astype(o[0].dtype) + scores, available)
 
 
 @jaxtyped(typechecker=beartype)
-def combine(outputs: Float[Array, "*batch scales dim"], weights: Float[Array, "*batch scales"]
+def combine(outputs: Sequence[Float[Array, "*batch dim"]], weights: Float[Array, "*batch scales"]
             ) -> Float[Array, "*batch dim"]:
-    """sum_l w_l O_l in float32, returned in the outputs' dtype."""
-    out = sum(weights[..., s, None] * outputs[..., s, :].astype(weights.dtype) for s in range(outputs.shape[-2]))
-    return out.astype(outputs.dtype)
+    """sum_l w_l O_l of the L outputs O_l [..., D] in float32, returned in the outputs' dtype."""
+    out = sum(weights[..., s, None] * x.astype(weights.dtype) for s, x in enumerate(outputs))
+    return out.astype(outputs[0].dtype)
 
 
 @jaxtyped(typechecker=beartype)
@@ -321,5 +328,5 @@ def normalised_entropy(weights: Float[Array, "*batch scales"], available: Bool[A
 
 
 __all__ = ["FLOOR", "combine", "gate_weights", "largest_eigenvalue", "masked_softmax", "nash_weights",
-           "normalised_entropy", "normalised_outputs", "prior_weights", "scale_game", "solve_equilibrium",
+           "normalised_entropy", "output_scale", "prior_weights", "scale_game", "solve_equilibrium",
            "solve_small"]
