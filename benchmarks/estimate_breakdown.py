@@ -2,13 +2,16 @@
 operations, from an optimised HLO module that ``benchmarks/tpu_estimate.py --hlo-dir DIR`` kept.
 
     python benchmarks/estimate_breakdown.py DIR/1b_v6e-8_plain+full_16_main.hlo.gz [--top 12] \
-        [--device-kind "TPU v6 lite"]
+        [--device-kind "TPU v6 lite"] [--by-source] [--against OTHER.hlo.gz]
 
 Each operation counts estimated_cycles x the trip counts of the loops around it (as
 :func:`nash_mhc.training.estimate.step_cost` does); a Pallas kernel counts its declared cost at the roofline of
 ``--device-kind`` (:func:`nash_mhc.training.estimate.kernel_roofline`, kind "Pallas kernel"). Kind: the
 operation, or for a fusion the root operation of the fused computation; "matmul" says whether the operation
 contains a convolution or dot, or for a kernel whether its FLOPs (not its bytes) set its roofline.
+``--by-source`` adds the cycles up by the line of nash_mhc that each operation comes from (the innermost frame
+of its HLO stack trace inside the package); ``--against`` prints that table beside another module's (before /
+after a change, same operations matched by source line).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import re
 from pathlib import Path
 
 from nash_mhc.training import estimate
@@ -38,15 +42,87 @@ def breakdown(text: str, device_kind: str | None = None) -> list[tuple[int, int,
     return sorted(rows, reverse=True)
 
 
+def source_lines(text: str) -> dict[int, str]:
+    """{stack frame id: "file.py:line function"} of the innermost nash_mhc frame of each of the module's stack
+    frames (the FileNames / FunctionNames / FileLocations / StackFrames tables at the top of its text); frames
+    with none inside the package map to their innermost frame."""
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+        elif current is not None and (match := re.match(r"^(\d+) (.*)$", line)):
+            current[int(match.group(1))] = match.group(2)
+        else:
+            current = None
+    fields = {name: {k: dict((a, int(b)) for a, b in re.findall(r"(\w+)=(\d+)", v)) for k, v in rows.items()}
+              for name, rows in tables.items() if name in ("FileLocations", "StackFrames")}
+    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+    functions = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+
+    def where(location: int) -> tuple[str, str]:
+        loc = fields["FileLocations"][location]
+        path = files[loc["file_name_id"]]
+        short = path.split("/nash_mhc/", 1)[1] if "/nash_mhc/" in path and "site-packages" not in path else ""
+        return short, f"{short or path.rsplit('/', 1)[-1]}:{loc['line']} {functions[loc['function_name_id']]}"
+
+    lines = {}
+    for frame in fields.get("StackFrames", {}):
+        current_frame, innermost, seen = frame, None, set()
+        while current_frame in fields["StackFrames"] and current_frame not in seen:  # parents: id - 1, 0 none
+            seen.add(current_frame)
+            entry = fields["StackFrames"][current_frame]
+            package, label = where(entry["file_location_id"])
+            innermost = innermost or label
+            if package:
+                innermost = label
+                break
+            current_frame = entry["parent_frame_id"] - 1
+        lines[frame] = innermost or "?"
+    return lines
+
+
+def by_source(text: str, device_kind: str | None) -> collections.Counter[str]:
+    """{source line: estimated cycles per step} of the module (see :func:`source_lines`)."""
+    frames = source_lines(text)
+    computations, _ = estimate.parse_hlo(text)
+    ops = {op.name: op for ops in computations.values() for op in ops}
+    totals: collections.Counter[str] = collections.Counter()
+    for cycles, *_, name in breakdown(text, device_kind):
+        match = re.search(r"stack_frame_id=(\d+)", ops[name].rest)
+        totals[frames.get(int(match.group(1)), "?") if match else "(no source)"] += cycles
+    return totals
+
+
+def read(path: str) -> str:
+    raw = Path(path).read_bytes()
+    return (gzip.decompress(raw) if path.endswith(".gz") else raw).decode()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("hlo", help="an optimised HLO module (.hlo.gz from tpu_estimate.py --hlo-dir, or text)")
     parser.add_argument("--top", type=int, default=12, help="how many kinds and operations to list")
     parser.add_argument("--device-kind", default="TPU v6 lite", choices=sorted(estimate.CLOCK_HZ),
                         help="the chip whose roofline costs Pallas kernels")
+    parser.add_argument("--by-source", action="store_true", help="cycles by the nash_mhc source line instead")
+    parser.add_argument("--against", default=None, help="with --by-source: a second module to compare with")
     args = parser.parse_args()
-    raw = Path(args.hlo).read_bytes()
-    rows = breakdown((gzip.decompress(raw) if args.hlo.endswith(".gz") else raw).decode(), args.device_kind)
+    text = read(args.hlo)
+    if args.by_source:
+        totals = by_source(text, args.device_kind)
+        other = by_source(read(args.against), args.device_kind) if args.against else None
+        total = sum(totals.values())
+        print(f"{total:.4g} cycles per step" + (f" ({sum(other.values()):.4g} in --against)" if other else ""))
+        if other is None:
+            for line, cycles in totals.most_common(args.top):
+                print(f"{cycles / total:6.2%} {cycles:>12.4g}  {line}")
+        else:
+            changes = sorted(set(totals) | set(other), key=lambda k: -abs(totals[k] - other[k]))
+            for line in changes[:args.top]:
+                print(f"{totals[line]:>12.4g} {other[line]:>12.4g} {totals[line] - other[line]:>+12.4g}  {line}")
+        return
+    rows = breakdown(text, args.device_kind)
     total = sum(r[0] for r in rows)
     print(f"{total:.4g} cycles per step")
     kinds: collections.Counter[tuple[str, bool]] = collections.Counter()
