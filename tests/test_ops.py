@@ -6,9 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 
 from nash_mhc.ops import (
     downsample,
+    multiscale,
     rope,
     upsample_shifted,
 )
@@ -37,6 +39,41 @@ def test_upsample_reads_the_last_complete_block():
             assert float(up[i, 0]) == (j + 1 if j >= 0 else 0.0)
             # the block read at i ends at or before i: nothing from the future
             assert j < 0 or (j + 1) * block - 1 <= i
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block", [4, 16])
+def test_the_tpu_matmul_forms_of_resampling_match_the_reference(block, dtype):
+    """The chunked one-hot-matmul forms that TPUs lower (nash_mhc.ops.multiscale) against the float64 reference:
+    upsampling is a copy, bit for bit; downsampling differs only by the result's rounding. Their gradients equal
+    the XLA forms' (every CPU test runs those)."""
+    seq, rng = 2 * multiscale.CHUNK, np.random.default_rng(block)
+    x = jnp.asarray(rng.normal(size=(2, seq, DIM)), dtype)
+    w = jnp.asarray(rng.normal(size=(block, DIM)), dtype)
+    coarse = jnp.asarray(rng.normal(size=(2, seq // block, DIM)), dtype)
+    down = multiscale._downsample_chunked(x, w)
+    up = multiscale._upsample_chunked(coarse, block)
+    assert down.dtype == up.dtype == dtype
+    rtol = 1e-6 if dtype == jnp.float32 else 2.0**-8
+    for b in range(2):
+        np.testing.assert_allclose(np.asarray(down[b], np.float64), ref.downsample(x[b], w), rtol=rtol, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(up[b], np.float64), ref.upsample_shifted(coarse[b], seq, block)[0])
+
+    # gradients, from the equations: dx[j·s + o] = w[o] ⊙ dc[j], dw[o] = Σ_{b,j} dc[b, j] ⊙ x[b, j·s + o], and
+    # dy[j] = Σ du[i] over the fine positions i that read block j; each within rtol of the sum of its terms' sizes
+    dc = jnp.asarray(rng.normal(size=(2, seq // block, DIM)), dtype)
+    du = jnp.asarray(rng.normal(size=(2, seq, DIM)), dtype)
+    dx, dw = jax.vjp(multiscale._downsample_chunked, x, w)[1](dc)
+    (dy,) = jax.vjp(lambda y: multiscale._upsample_chunked(y, block), coarse)[1](du)
+    dc64, du64 = np.asarray(dc, np.float64)[:, :, None], np.asarray(du, np.float64)
+    fine = np.asarray(x, np.float64).reshape(2, seq // block, block, DIM)
+    reads = ref.upsample_shifted(np.eye(seq // block), seq, block)[0]  # [T, T/s]: row i picks the block i reads
+    for got, expected, size in (
+            (dx, dc64 * np.asarray(w, np.float64), np.abs(dc64 * np.asarray(w, np.float64))),
+            (dw, (dc64 * fine).sum((0, 1)), np.abs(dc64 * fine).sum((0, 1))),
+            (dy, np.einsum("ij,bid->bjd", reads, du64), np.einsum("ij,bid->bjd", reads, np.abs(du64)))):
+        error = np.abs(np.asarray(got, np.float64).reshape(expected.shape) - expected)
+        assert np.all(error <= rtol * size + 1e-6), float(np.max(error - rtol * size))
 
 
 def test_rope_depends_on_relative_position_times_spacing():

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
+
+CHUNK = 128  # positions per chunk of the matmul forms (TPU): a multiple of every block size they serve
 
 
 def num_blocks(seq_len: int, block: int) -> int:
@@ -28,8 +32,38 @@ def downsample(x: Float[Array, "*batch seq dim"], weights: Float[Array, "block d
     pad = blocks * block - seq
     if pad:
         x = jnp.concatenate([x, jnp.zeros((*batch, pad, dim), x.dtype)], axis=-2)
-    x = x.reshape(*batch, blocks, block, dim)
-    return jnp.einsum("...bod,od->...bd", x, weights.astype(x.dtype))
+    weights = weights.astype(x.dtype)
+
+    def xla(x: jax.Array, weights: jax.Array) -> jax.Array:
+        return jnp.einsum("...bod,od->...bd", x.reshape(*batch, blocks, block, dim), weights)
+
+    if not _chunked(blocks * block, block):
+        return xla(x, weights)
+    return jax.lax.platform_dependent(x, weights, tpu=_downsample_chunked, default=xla)
+
+
+def _chunked(seq: int, block: int) -> bool:
+    """Whether the matmul forms apply: ``seq`` whole chunks of :data:`CHUNK` positions, each whole blocks."""
+    return block > 1 and CHUNK % block == 0 and seq % CHUNK == 0
+
+
+def _downsample_chunked(x: jax.Array, weights: jax.Array) -> jax.Array:
+    """:func:`downsample` for TPUs: within each chunk of :data:`CHUNK` positions a permutation (a one-hot matmul,
+    exact) groups the positions by their offset o in the block, so the weighted sum over o adds whole slabs.
+
+    Summing over o in place reduces across the (8, 128) tile's sublanes, which the TPU compiler costs at ~12x the
+    array's bandwidth time (docs/tpu.md). Products and sum in float32, like the einsum's.
+    """
+    *batch, seq, dim = x.shape
+    block = weights.shape[0]
+    per_chunk = CHUNK // block
+    order = np.arange(CHUNK).reshape(per_chunk, block).T.reshape(-1)  # row o·(C/s) + j reads position j·s + o
+    permutation = jnp.asarray(np.eye(CHUNK)[order], x.dtype)
+    grouped = jnp.einsum("pt,...ctd->...cpd", permutation, x.reshape(*batch, seq // CHUNK, CHUNK, dim),
+                         precision=jax.lax.Precision.HIGHEST)
+    grouped = grouped.reshape(*batch, seq // CHUNK, block, per_chunk, dim)
+    total = sum(grouped[..., o, :, :].astype(jnp.float32) * weights[o].astype(jnp.float32) for o in range(block))
+    return total.astype(x.dtype).reshape(*batch, seq // block, dim)
 
 
 def available_mask(seq_len: int, block: int) -> np.ndarray:
@@ -72,6 +106,27 @@ def upsample_shifted(y: Float[Array, "*batch blocks dim"], seq_len: int, block: 
     keep = seq_len - (block - 1)
     if keep <= 0:
         return jnp.zeros((*batch, seq_len, dim), y.dtype), jnp.zeros((seq_len,), bool)
-    repeated = jnp.repeat(y, block, axis=-2, total_repeat_length=blocks * block)
-    shifted = jnp.concatenate([jnp.zeros((*batch, block - 1, dim), y.dtype), repeated[..., :keep, :]], axis=-2)
-    return shifted, jnp.asarray(available_mask(seq_len, block))
+    available = jnp.asarray(available_mask(seq_len, block))
+
+    def xla(y: jax.Array) -> jax.Array:
+        repeated = jnp.repeat(y, block, axis=-2, total_repeat_length=blocks * block)
+        return jnp.concatenate([jnp.zeros((*batch, block - 1, dim), y.dtype), repeated[..., :keep, :]], axis=-2)
+
+    if not (_chunked(seq_len, block) and blocks == seq_len // block):
+        return xla(y), available
+    return jax.lax.platform_dependent(y, tpu=functools.partial(_upsample_chunked, block=block), default=xla), available
+
+
+def _upsample_chunked(y: jax.Array, block: int) -> jax.Array:
+    """:func:`upsample_shifted` for TPUs: each chunk of :data:`CHUNK` fine positions is a one-hot matmul (exact) of
+    its own C/s coarse outputs and the previous chunk's last one, so the shift by s - 1 positions never moves a
+    fine-length array across the (8, 128) tile's sublanes."""
+    *batch, blocks, dim = y.shape
+    per_chunk, chunks = CHUNK // block, blocks * block // CHUNK
+    own = y.reshape(*batch, chunks, per_chunk, dim)
+    previous = jnp.concatenate([jnp.zeros((*batch, 1, 1, dim), y.dtype), own[..., :-1, -1:, :]], axis=-3)
+    source = jnp.concatenate([previous, own], axis=-2)  # [..., chunks, 1 + C/s, D]: entry k is coarse block k - 1
+    reads = (np.arange(CHUNK) + 1) // block  # fine position i of a chunk reads entry ⌊(i+1)/s⌋
+    selection = jnp.asarray(np.eye(per_chunk + 1)[reads], y.dtype)
+    up = jnp.einsum("ik,...ckd->...cid", selection, source, precision=jax.lax.Precision.HIGHEST)
+    return up.reshape(*batch, chunks * CHUNK, dim)
