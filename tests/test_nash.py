@@ -19,7 +19,7 @@ from jax.test_util import check_grads
 from nash_mhc import LanguageModel, ModelConfig
 from nash_mhc.layers.aggregation import ScaleAggregation
 from nash_mhc.layers.hyperconnection import HyperConnection
-from nash_mhc.ops import combine, gate_weights, nash_weights, normalised_entropy, prior_weights
+from nash_mhc.ops import combine, gate_weights, nash_aggregate, nash_weights, normalised_entropy, prior_weights
 from nash_mhc.ops.aggregation import largest_eigenvalue, scale_game, solve_small
 
 DEFAULT = ModelConfig.preset("tiny")
@@ -181,6 +181,41 @@ def test_gradients_through_the_solver_match_finite_differences_in_float64():
         for tau in (0.3, 1e-3):  # a cold game is close to critical: the implicit solve matters most there
             args = (outputs, jnp.asarray([0.2, -0.1, 0.4], jnp.float64), jnp.asarray(tau, jnp.float64))
             check_grads(objective, args, order=1, modes=("rev", "fwd"))
+
+
+def test_the_fused_backward_of_the_nash_aggregation_matches_finite_differences_and_autodiff():
+    """nash_aggregate (what the layer runs: one custom VJP over the sum and the game) against finite differences
+    in float64, and against autodiff of combine(nash_weights) in float32: the same values, gradients within
+    rounding. Every cotangent is used: of the sum, of the weights (the sparsity term) and of the residual."""
+    available = jnp.asarray([[True, False, False], [True, True, False], [True, True, True], [True, True, True]])
+
+    def objective(aggregate):
+        def f(outputs, prior, tau):
+            outputs, prior, tau = jnp.asarray(outputs), jnp.asarray(prior), jnp.asarray(tau)
+            out, w, residual = aggregate(slabs(outputs), prior, tau)
+            return (jnp.sum(out.astype(prior.dtype) * target.astype(prior.dtype))
+                    + jnp.sum(normalised_entropy(w, available)) + jnp.sum(w[:, 1]) + jnp.sum(residual))
+        return f
+
+    def fused(outputs, prior, tau):
+        return nash_aggregate(outputs, available, prior, tau, num_iters=DEFAULT.nash_iters)
+
+    def composed(outputs, prior, tau):
+        w, residual = nash_weights(outputs, available, prior, tau, num_iters=DEFAULT.nash_iters)
+        return combine(outputs, w), w, residual
+
+    with jax.enable_x64(True):
+        target = jnp.asarray(np.random.default_rng(2).normal(size=(4, 5)))
+        for tau in (0.3, 1e-3):
+            args = (jnp.asarray(random_outputs(1, 4, 3, 5), jnp.float64), jnp.asarray([0.2, -0.1, 0.4], jnp.float64),
+                    jnp.asarray(tau, jnp.float64))
+            check_grads(objective(fused), args, order=1, modes=("rev",))
+    target = jnp.asarray(np.random.default_rng(2).normal(size=(4, 5)), jnp.float32)
+    args = (jnp.asarray(random_outputs(1, 4, 3, 5)), jnp.asarray([0.2, -0.1, 0.4]), jnp.asarray(0.05))
+    got, expected = (jax.value_and_grad(objective(f), argnums=(0, 1, 2))(*args) for f in (fused, composed))
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(expected[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_every_aggregation_starts_almost_entirely_on_scale_zero():

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
-from nash_mhc.ops.aggregation import combine, gate_weights, nash_weights, normalised_entropy, prior_weights
+from nash_mhc.ops.aggregation import combine, gate_weights, nash_aggregate, normalised_entropy, prior_weights
 from nash_mhc.params import param
 
 
@@ -81,15 +81,13 @@ class ScaleAggregation(eqx.Module):
         def aggregate(outputs: list[jax.Array], params: tuple[jax.Array, jax.Array | None, jax.Array | None]
                       ) -> Aggregated:
             prior, log_temperature, gate = params
-            residual = jnp.zeros(outputs[0].shape[:-1], jnp.float32)
             if log_temperature is not None:
-                weights, residual = nash_weights(outputs, available, prior, jnp.exp(log_temperature),
-                                                 num_iters=self.num_iters)
-            elif gate is not None:
-                weights = gate_weights(outputs, available, prior, gate)
+                output, weights, residual = nash_aggregate(outputs, available, prior, jnp.exp(log_temperature),
+                                                           num_iters=self.num_iters)
             else:
-                weights = prior_weights(prior, available)
-            return Aggregated(combine(outputs, weights), weights, normalised_entropy(weights, available),
-                              residual.astype(weights.dtype))
+                weights = (gate_weights(outputs, available, prior, gate) if gate is not None
+                           else prior_weights(prior, available))
+                output, residual = combine(outputs, weights), jnp.zeros(outputs[0].shape[:-1], jnp.float32)
+            return Aggregated(output, weights, normalised_entropy(weights, available), residual.astype(weights.dtype))
 
         return aggregate(list(outputs), (self.prior, self.log_temperature, self.gate))

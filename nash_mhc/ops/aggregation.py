@@ -96,17 +96,26 @@ def output_scale(outputs: Sequence[Float[Array, "*batch dim"]], available: Bool[
 
 
 @jaxtyped(typechecker=beartype)
-def scale_game(outputs: Sequence[Float[Array, "*batch dim"]], available: Bool[Array, "*#batch scales"]
-               ) -> tuple[Float[Array, "*batch scales scales"], Float[Array, "*batch"]]:
-    """(C, lambda_max(C)): the Gram matrix of the centred available outputs O_l [..., D] over D S (0 on unavailable
-    rows and columns) and its largest eigenvalue."""
+def centred_gram(outputs: Sequence[Float[Array, "*batch dim"]], available: Bool[Array, "*#batch scales"]
+                 ) -> tuple[Float[Array, "*batch scales scales"], Float[Array, "*batch"]]:
+    """(D S C, S): the Gram matrix over D of the available outputs O_l [..., D] centred over the available scales (0
+    on unavailable rows and columns), and S (:func:`output_scale`). Every reduction over D in one pass."""
     o, scale = output_scale(outputs, available)
     mask = jnp.broadcast_to(available, (*o[0].shape[:-1], len(o))).astype(o[0].dtype)
     count = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
     mean = sum(o) / count[..., None]
     centred = [(x - mean) * mask[..., s, None] for s, x in enumerate(o)]
     rows = [jnp.stack([jnp.mean(a * b, axis=-1) for b in centred], axis=-1) for a in centred]
-    gram = jnp.stack(rows, axis=-2) / scale[..., None, None]
+    return jnp.stack(rows, axis=-2), scale
+
+
+@jaxtyped(typechecker=beartype)
+def scale_game(outputs: Sequence[Float[Array, "*batch dim"]], available: Bool[Array, "*#batch scales"]
+               ) -> tuple[Float[Array, "*batch scales scales"], Float[Array, "*batch"]]:
+    """(C, lambda_max(C)): the Gram matrix of the centred available outputs O_l [..., D] over D S (0 on unavailable
+    rows and columns) and its largest eigenvalue."""
+    raw, scale = centred_gram(outputs, available)
+    gram = raw / scale[..., None, None]
     return gram, largest_eigenvalue(gram, available)
 
 
@@ -272,13 +281,86 @@ def nash_weights(
     """
     if num_iters < 1:
         raise ValueError(f"nash_weights needs num_iters >= 1, got {num_iters}")
-    dtype = _compute_dtype(*outputs, prior, temperature)
-    gram, spread = scale_game(outputs, available)
-    effective = temperature.astype(dtype) + FLOOR * spread
+    return _equilibrium(*centred_gram(outputs, available), available, prior, temperature, num_iters)
+
+
+def _equilibrium(raw: jax.Array, scale: jax.Array, available: jax.Array, prior: jax.Array, temperature: jax.Array,
+                 num_iters: int) -> tuple[jax.Array, jax.Array]:
+    """(weights, residual) of the game whose centred Gram matrix is ``raw`` / ``scale`` (:func:`centred_gram`)."""
+    dtype = _compute_dtype(raw, prior, temperature)
+    gram = (raw / scale[..., None, None]).astype(dtype)
+    effective = temperature.astype(dtype) + FLOOR * largest_eigenvalue(gram, available)
     available = jnp.broadcast_to(available, gram.shape[:-1])
     weights, residual, _ = solve_equilibrium(gram, jnp.broadcast_to(prior.astype(dtype), available.shape),
                                              effective, available, num_iters)
     return weights, residual
+
+
+@jaxtyped(typechecker=beartype)
+def nash_aggregate(
+    outputs: Sequence[Float[Array, "*batch dim"]],
+    available: Bool[Array, "*#batch scales"],
+    prior: Float[Array, "scales"],
+    temperature: Float[Array, ""],
+    *,
+    num_iters: int,
+) -> tuple[Float[Array, "*batch dim"], Float[Array, "*batch scales"], Float[Array, "*batch"]]:
+    """(sum_l w_l O_l, weights, residual): :func:`combine` of :func:`nash_weights`, with a hand-written backward
+    pass over the outputs O_l [..., D].
+
+    The same function and gradients as composing the two, but the reverse pass reads the outputs, never a
+    float32 copy of them: the forward saves only the outputs (in their dtype) and the game's few per-position
+    numbers, and the backward adds both paths to each output's gradient (through the weights of the sum, and
+    through the Gram matrix of the game) in float32 before rounding it once to the outputs' dtype. Autodiff of
+    the composition shared float32 copies of the outputs between the sum, the game and their gradients, which XLA
+    wrote to memory and copied between layouts (the largest item of the multiscale layer's cost on TPU,
+    docs/tpu.md). Both passes read the outputs through an optimisation barrier: without it XLA still moved their
+    float32 conversions ahead of the layout copies it inserts, and copied twice the bytes. Reverse mode only (a
+    ``custom_vjp``).
+    """
+    if num_iters < 1:
+        raise ValueError(f"nash_aggregate needs num_iters >= 1, got {num_iters}")
+    available = jnp.broadcast_to(available, (*outputs[0].shape[:-1], len(outputs)))
+    return _nash_aggregate(tuple(outputs), available, prior, temperature, num_iters)
+
+
+def _nash_forward(outputs: tuple[jax.Array, ...], available: jax.Array, prior: jax.Array, temperature: jax.Array,
+                  num_iters: int) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+    outputs = jax.lax.optimization_barrier(outputs)
+    raw, scale = centred_gram(outputs, available)
+    (weights, residual), game_vjp = jax.vjp(
+        lambda r, s, p, t: _equilibrium(r, s, available, p, t, num_iters), raw, scale, prior, temperature)
+    return combine(outputs, weights), weights, residual, game_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _nash_aggregate(outputs: tuple[jax.Array, ...], available: jax.Array, prior: jax.Array, temperature: jax.Array,
+                    num_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return _nash_forward(outputs, available, prior, temperature, num_iters)[:3]
+
+
+def _nash_aggregate_fwd(outputs: tuple[jax.Array, ...], available: jax.Array, prior: jax.Array,
+                        temperature: jax.Array, num_iters: int) -> tuple[tuple[jax.Array, ...], tuple[Any, ...]]:
+    combined, weights, residual, game_vjp = _nash_forward(outputs, available, prior, temperature, num_iters)
+    return (combined, weights, residual), (outputs, available, weights, game_vjp)
+
+
+def _nash_aggregate_bwd(num_iters: int, saved: tuple[Any, ...], cotangents: tuple[jax.Array, ...]
+                        ) -> tuple[Any, ...]:
+    del num_iters
+    outputs, available, weights, game_vjp = saved
+    d_combined, d_weights, d_residual = cotangents
+    wide = [x.astype(weights.dtype) for x in jax.lax.optimization_barrier(outputs)]
+    d_sum = d_combined.astype(weights.dtype)
+    d_weights = d_weights + jnp.stack([jnp.sum(x * d_sum, axis=-1) for x in wide], axis=-1)  # sum_l w_l O_l
+    d_raw, d_scale, d_prior, d_temperature = game_vjp((d_weights, d_residual))
+    d_wide = jax.vjp(lambda o: centred_gram(o, available), wide)[1]((d_raw, d_scale))[0]
+    d_outputs = tuple((d + weights[..., s, None] * d_sum).astype(x.dtype)
+                      for s, (d, x) in enumerate(zip(d_wide, outputs, strict=True)))
+    return d_outputs, None, d_prior, d_temperature
+
+
+_nash_aggregate.defvjp(_nash_aggregate_fwd, _nash_aggregate_bwd)
 
 
 @jaxtyped(typechecker=beartype)
@@ -327,6 +409,7 @@ def normalised_entropy(weights: Float[Array, "*batch scales"], available: Bool[A
     return jnp.where(choice, entropy / jnp.log(jnp.where(choice, count, 2).astype(weights.dtype)), 0.0)
 
 
-__all__ = ["FLOOR", "combine", "gate_weights", "largest_eigenvalue", "masked_softmax", "nash_weights",
+__all__ = ["FLOOR", "centred_gram", "combine", "gate_weights", "largest_eigenvalue", "masked_softmax",
+           "nash_aggregate", "nash_weights",
            "normalised_entropy", "output_scale", "prior_weights", "scale_game", "solve_equilibrium",
            "solve_small"]
