@@ -52,6 +52,11 @@ MUTATIONS = {
                                              [("(d_gram, d_prior, d_temperature))",
                                                "(jnp.zeros_like(d_gram), d_prior, jnp.zeros_like(d_temperature)))")],
                                              ["tests/test_nash.py"]),
+    "Nash loop stops on the whole batch": ("nash_mhc/ops/aggregation.py",
+                                           [("    return solve(gram, prior, temperature, available)",
+                                             "    return _solve_positions(gram, prior, temperature, available,"
+                                             " max_iters)")],
+                                           ["tests/test_nash.py"]),
     "Nash backward drops the sum's gradient": ("nash_mhc/ops/aggregation.py",
                                                [("(d + weights[..., s, None] * d_sum)", "(d + 0.0 * d_sum)")],
                                                [REFERENCE, "tests/test_nash.py"]),

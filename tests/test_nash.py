@@ -5,6 +5,7 @@ docstrings), never from the code's own helpers."""
 from __future__ import annotations
 
 import functools
+import re
 
 import equinox as eqx
 import jax
@@ -14,6 +15,8 @@ import pytest
 import reference as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 from nash_mhc import LanguageModel, ModelConfig
@@ -21,6 +24,7 @@ from nash_mhc.layers.aggregation import ScaleAggregation
 from nash_mhc.layers.hyperconnection import HyperConnection
 from nash_mhc.ops import combine, gate_weights, nash_aggregate, nash_weights, normalised_entropy, prior_weights
 from nash_mhc.ops.aggregation import largest_eigenvalue, scale_game, solve_small
+from nash_mhc.sharding import BATCH_AXES, make_mesh
 
 DEFAULT = ModelConfig.preset("tiny")
 
@@ -263,6 +267,36 @@ def test_weights_are_per_position_not_pooled():
     b = jitted_weights(16)(outputs.at[-1, 2].multiply(50.0), available, *args)[0]
     assert np.array_equal(np.asarray(a[:-1]), np.asarray(b[:-1]))
     assert not np.array_equal(np.asarray(a[-1]), np.asarray(b[-1]))
+
+
+def spread_of_games(seed: int, seq: int = 16) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``seq`` positions from agreeing to opposed scales (3 to 5 Newton steps each at this temperature)."""
+    rng = np.random.default_rng(seed)
+    common, own = rng.normal(size=(seq, 1, 16)), rng.normal(size=(seq, 3, 16))
+    agreement = np.linspace(0.99, -0.99, seq)[:, None, None] * np.array([1.0, 1.0, -1.0])[None, :, None]
+    outputs = np.abs(agreement) * common * np.sign(agreement) + np.sqrt(1 - agreement**2) * own
+    available = np.ones((seq, 3), bool)
+    available[::5, 2] = False
+    return (jnp.asarray(outputs, jnp.float32), jnp.asarray(available), jnp.asarray([0.5, -1.0, 0.0]),
+            jnp.asarray(1e-3))
+
+
+def test_under_a_mesh_each_device_solves_its_own_positions_without_communication():
+    """Batch split over 8 devices: one device's weights (to float32 rounding: XLA's CPU code for 4 positions
+    may round differently from its code for 32), and no collective in the compiled program (the loop's stopping
+    test is per device; over the whole batch it was an all-reduce in every Newton step)."""
+    outputs, available, prior, tau = spread_of_games(2)
+    outputs, available = jnp.tile(outputs, (2, 1, 1)), jnp.tile(available, (2, 1))  # 32 positions, 4 per device
+    one = jitted_weights(16)(outputs, available, prior, tau)
+    mesh = make_mesh(8, 1, 1)
+    with jax.set_mesh(mesh):
+        split = jax.device_put((outputs, available), NamedSharding(mesh, P(BATCH_AXES)))
+        solve = jax.jit(lambda o, a, p, t: nash_weights(slabs(o), a, p, t, num_iters=16))
+        sharded = solve(*split, prior, tau)
+        compiled = solve.lower(*split, prior, tau).compile().as_text()
+    for a, b in zip(sharded, one, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    assert not re.search(r"all-reduce|all-gather|collective-permute|all-to-all", compiled)
 
 
 def test_the_scale_that_disagrees_with_the_others_gets_the_least_weight():

@@ -35,9 +35,10 @@ The game is a conformity game: a scale far from the consensus loses weight, so a
 the scales that agree gain; where every scale agrees (C = 0) the weights are softmax(b).
 
 Solver: safeguarded Newton in logit space (each step takes whichever of the Newton step and the plain
-best-response step leaves the smaller residual; L <= a few, so the L x L solves are cheap), from z = b, until
-max_l |w - BR(w)| <= the dtype's tolerance or ``max_iters`` steps. Differentiated implicitly (a custom JVP: dz* =
-(I - J)^-1 dT, so reverse mode transposes one linear solve), never through the iterations. lambda_max comes from
+best-response step leaves the smaller residual; L <= a few, so the L x L solves are cheap), from z = b; each
+position stops at its first iterate with max_l |w - BR(w)| <= the dtype's tolerance (at most ``max_iters``
+steps). Differentiated implicitly (a custom JVP: dz* = (I - J)^-1 dT, so reverse mode transposes one linear
+solve), never through the iterations. lambda_max comes from
 :func:`largest_eigenvalue` (closed form for L <= 3): finite (sub)gradients everywhere, including C = 0. Both the
 solves and lambda_max are elementwise over positions (see :func:`solve_small`). Computed in float32 (float64 for float64
 inputs), per position: weights are never pooled over the sequence, which would leak the future.
@@ -53,6 +54,8 @@ import jax
 import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
+
+from nash_mhc.sharding import per_shard
 
 FLOOR = 1.05  # c of tau_t = tau + c lambda_max(C): every log-odds moves by < 2 / c = 1.90 nats from the prior
 SCALE_FLOOR = 1e-30  # outputs with mean square below this count as all zero (their game is the prior's)
@@ -220,28 +223,52 @@ def solve_equilibrium(gram: jax.Array, prior: jax.Array, temperature: jax.Array,
                       max_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(w, max_l |w - BR(w)|, z) of the game of centred Gram matrix ``gram`` [..., L, L], prior logits ``prior``
     [..., L], effective temperature ``temperature`` [...] (> lambda_max(gram)): the equilibrium weights, their
-    residual and logits (w = softmax(z) over ``available``); see the module docstring."""
+    residual and logits (w = softmax(z) over ``available``); see the module docstring.
+
+    Each position stops at its first iterate within the tolerance, so its result never depends on the other
+    positions (the same in any batch, on one device or split over many), and the iterations run on each
+    device's own positions (:func:`nash_mhc.sharding.per_shard`, batch over the batch axes): the loop's
+    stopping test needs no communication. A test over the whole batch put an all-reduce in every iteration
+    of the loop, a synchronisation per Newton step on a pod.
+    """
+    positions = ("batch", *["seq"] * (temperature.ndim - 1)) if temperature.ndim else ()
+    solve = per_shard(functools.partial(_solve_positions, max_iters=max_iters),
+                      ((*positions, "scales", "scales"), (*positions, "scales"), positions, (*positions, "scales")),
+                      ((*positions, "scales"), positions, (*positions, "scales")))
+    return solve(gram, prior, temperature, available)
+
+
+def _solve_positions(gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array,
+                     max_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`solve_equilibrium` on one device's positions: safeguarded Newton steps, a position's logits frozen
+    from its first iterate with max_l |w - BR(w)| <= the tolerance (or not finite) on."""
     tol = TOLERANCE.get(jnp.dtype(gram.dtype), 1e-6)
 
     def residual_of(z: jax.Array) -> jax.Array:
         return jnp.where(available, z - _best_logits(z, gram, prior, temperature, available)[0], z)
 
-    def step(carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-        z, r, i = carry
+    def settled(z: jax.Array) -> jax.Array:  # NaN counts as settled: more steps cannot mend it
+        return ~(_residual(z, gram, prior, temperature, available) > tol)
+
+    def step(carry: tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        z, r, done, i = carry
         w = masked_softmax(z, available)
         newton = z - solve_small(_newton_matrix(w, gram, temperature, available), r)
         plain = z - r
         r_newton, r_plain = residual_of(newton), residual_of(plain)
         better = jnp.max(jnp.abs(r_newton), -1, keepdims=True) <= jnp.max(jnp.abs(r_plain), -1, keepdims=True)
         better &= jnp.all(jnp.isfinite(newton), -1, keepdims=True)
-        return jnp.where(better, newton, plain), jnp.where(better, r_newton, r_plain), i + 1
+        z = jnp.where(done[..., None], z, jnp.where(better, newton, plain))
+        r = jnp.where(done[..., None], r, jnp.where(better, r_newton, r_plain))
+        return z, r, done | settled(z), i + 1
 
-    def unconverged(carry: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-        z, _, i = carry
-        return (i < max_iters) & (jnp.max(_residual(z, gram, prior, temperature, available)) > tol)
+    def unconverged(carry: tuple[jax.Array, jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        _, _, done, i = carry
+        return (i < max_iters) & ~jnp.all(done)
 
     z0 = jnp.where(available, prior, 0.0)
-    z, _, _ = jax.lax.while_loop(unconverged, step, (z0, residual_of(z0), jnp.asarray(0)))
+    z, _, _, _ = jax.lax.while_loop(unconverged, step, (z0, residual_of(z0), settled(z0), jnp.asarray(0)))
     return masked_softmax(z, available), _residual(z, gram, prior, temperature, available), z
 
 

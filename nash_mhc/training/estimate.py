@@ -142,7 +142,8 @@ def trip_count(computations: dict[str, list[Instruction]], loop: Instruction,
     Its condition must compare one tuple element (the counter) with a constant; the counter's initial value
     must be a constant in the while's operand tuple (0 is assumed when it cannot be found: JAX's loops count
     from 0) and the body must add a constant to it (1 assumed likewise). A condition that ands it with other
-    tests (the Nash solver's ``i < max_iters & residual > tol``) counts its most iterations, an upper bound.
+    tests (the Nash solver's ``i < max_iters & some position unsettled``) counts its most iterations, an upper
+    bound.
     """
     condition = computations[loop.attr("condition")]
     names = {i.name: i for i in condition}
@@ -151,7 +152,7 @@ def trip_count(computations: dict[str, list[Instruction]], loop: Instruction,
         return _compare_trip_count(computations, loop, owner, names, root)
     bounds = []
     for part in (names[o] for o in root.operands if o in names):
-        with contextlib.suppress(EstimateError):  # a data-dependent test (residual > tol) bounds nothing
+        with contextlib.suppress(EstimateError):  # a data-dependent test (positions unsettled) bounds nothing
             bounds.append(_compare_trip_count(computations, loop, owner, names, part))
     if not bounds:
         raise EstimateError(f"loop {loop.name}: no part of its condition compares a counter with a constant")
