@@ -12,12 +12,6 @@ import pytest
 os.environ["JAX_PLATFORMS"] = "cpu"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# One intra-op thread per device: with the shared Eigen pool, a device's second ready all-reduce could take a pool
-# thread and block in its rendezvous while another device waited for that pool, and XLA aborted the process after
-# its 40 s collective timeout (tests/test_data_sources.py's in-process training runs: about 1 in 5 on the 2-core VM,
-# 2026-11-26, also at 2d03b80; 0 in 6 with this flag).
-if "xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 
 # Tests never touch the network: Hugging Face libraries must use only local files.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
