@@ -36,12 +36,12 @@ the scales that agree gain; where every scale agrees (C = 0) the weights are sof
 
 Solver: safeguarded Newton in logit space (each step takes whichever of the Newton step and the plain
 best-response step leaves the smaller residual; L <= a few, so the L x L solves are cheap), from z = b; each
-position stops at its first iterate with max_l |w - BR(w)| <= the dtype's tolerance (at most ``max_iters``
-steps). Differentiated implicitly (a custom JVP: dz* = (I - J)^-1 dT, so reverse mode transposes one linear
-solve), never through the iterations. lambda_max comes from
-:func:`largest_eigenvalue` (closed form for L <= 3): finite (sub)gradients everywhere, including C = 0. Both the
-solves and lambda_max are elementwise over positions (see :func:`solve_small`). Computed in float32 (float64 for float64
-inputs), per position: weights are never pooled over the sequence, which would leak the future.
+position stops one step after its first iterate with max_l |w - BR(w)| <= the dtype's tolerance (at most
+``max_iters`` steps). Differentiated implicitly (a custom JVP: dz* = (I - J)^-1 dT, so reverse mode transposes one
+linear solve), never through the iterations. lambda_max comes from :func:`largest_eigenvalue` (closed form for L
+<= 3): finite (sub)gradients everywhere, including C = 0. Both the solves and lambda_max are elementwise over
+positions (see :func:`solve_small`). Computed in float32 (float64 for float64 inputs), per position: weights are
+never pooled over the sequence, which would leak the future.
 """
 
 from __future__ import annotations
@@ -225,11 +225,12 @@ def solve_equilibrium(gram: jax.Array, prior: jax.Array, temperature: jax.Array,
     [..., L], effective temperature ``temperature`` [...] (> lambda_max(gram)): the equilibrium weights, their
     residual and logits (w = softmax(z) over ``available``); see the module docstring.
 
-    Each position stops at its first iterate within the tolerance, so its result never depends on the other
-    positions (the same in any batch, on one device or split over many), and the iterations run on each
-    device's own positions (:func:`nash_mhc.sharding.per_shard`, batch over the batch axes): the loop's
-    stopping test needs no communication. A test over the whole batch put an all-reduce in every iteration
-    of the loop, a synchronisation per Newton step on a pod.
+    Each position stops one step after its first iterate within the tolerance (:func:`_solve_positions`), so its
+    iterates never depend on the other positions (in any batch, on one device or split over many; XLA may still
+    round the same arithmetic differently for another shape), and the iterations run on each device's own
+    positions (:func:`nash_mhc.sharding.per_shard`, batch over the batch axes): the loop's stopping test needs no
+    communication. A test over the whole batch put an all-reduce in every iteration of the loop, a synchronisation
+    per Newton step on a pod.
     """
     positions = ("batch", *["seq"] * (temperature.ndim - 1)) if temperature.ndim else ()
     solve = per_shard(functools.partial(_solve_positions, max_iters=max_iters),
@@ -240,8 +241,10 @@ def solve_equilibrium(gram: jax.Array, prior: jax.Array, temperature: jax.Array,
 
 def _solve_positions(gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array,
                      max_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`solve_equilibrium` on one device's positions: safeguarded Newton steps, a position's logits frozen
-    from its first iterate with max_l |w - BR(w)| <= the tolerance (or not finite) on."""
+    """:func:`solve_equilibrium` on one device's positions: safeguarded Newton steps; a position takes one more
+    step from its first iterate with max_l |w - BR(w)| <= the tolerance (or not finite), then its logits are
+    frozen. The extra step (quadratic near the solution) brings the log-odds to float32 precision: the tolerance
+    bounds |w - BR(w)|, not log(w_l / w_m), and a small weight's log-odds can still be 4e-4 off at it."""
     tol = TOLERANCE.get(jnp.dtype(gram.dtype), 1e-6)
 
     def residual_of(z: jax.Array) -> jax.Array:
@@ -250,9 +253,10 @@ def _solve_positions(gram: jax.Array, prior: jax.Array, temperature: jax.Array, 
     def settled(z: jax.Array) -> jax.Array:  # NaN counts as settled: more steps cannot mend it
         return ~(_residual(z, gram, prior, temperature, available) > tol)
 
-    def step(carry: tuple[jax.Array, jax.Array, jax.Array, jax.Array]
-             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        z, r, done, i = carry
+    Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+
+    def step(carry: Carry) -> Carry:
+        z, r, within, done, i = carry
         w = masked_softmax(z, available)
         newton = z - solve_small(_newton_matrix(w, gram, temperature, available), r)
         plain = z - r
@@ -261,14 +265,15 @@ def _solve_positions(gram: jax.Array, prior: jax.Array, temperature: jax.Array, 
         better &= jnp.all(jnp.isfinite(newton), -1, keepdims=True)
         z = jnp.where(done[..., None], z, jnp.where(better, newton, plain))
         r = jnp.where(done[..., None], r, jnp.where(better, r_newton, r_plain))
-        return z, r, done | settled(z), i + 1
+        return z, r, settled(z), done | within, i + 1  # within tolerance at the step's start: done after it
 
-    def unconverged(carry: tuple[jax.Array, jax.Array, jax.Array, jax.Array]) -> jax.Array:
-        _, _, done, i = carry
+    def unconverged(carry: Carry) -> jax.Array:
+        _, _, _, done, i = carry
         return (i < max_iters) & ~jnp.all(done)
 
     z0 = jnp.where(available, prior, 0.0)
-    z, _, _, _ = jax.lax.while_loop(unconverged, step, (z0, residual_of(z0), settled(z0), jnp.asarray(0)))
+    start = (z0, residual_of(z0), settled(z0), jnp.zeros(z0.shape[:-1], bool), jnp.asarray(0))
+    z, _, _, _, _ = jax.lax.while_loop(unconverged, step, start)
     return masked_softmax(z, available), _residual(z, gram, prior, temperature, available), z
 
 
