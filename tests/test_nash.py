@@ -270,7 +270,7 @@ def test_weights_are_per_position_not_pooled():
 
 
 def spread_of_games(seed: int, seq: int = 16) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``seq`` positions from agreeing to opposed scales (3 to 5 Newton steps each at this temperature)."""
+    """``seq`` positions from agreeing to opposed scales (each converges in 3 to 5 Newton steps at this temperature)."""
     rng = np.random.default_rng(seed)
     common, own = rng.normal(size=(seq, 1, 16)), rng.normal(size=(seq, 3, 16))
     agreement = np.linspace(0.99, -0.99, seq)[:, None, None] * np.array([1.0, 1.0, -1.0])[None, :, None]
