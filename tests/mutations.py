@@ -19,8 +19,8 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REFERENCE = "tests/test_reference.py"
-SINKHORN_ORDER = ("z = z - jax.nn.logsumexp(z, axis=-2, keepdims=True)  # columns sum to 1\n"
-                  "        z = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)  # rows sum to 1")
+SINKHORN_ORDER = ("c = normalise(z, 0)\n    return c, normalise(c, 1)",
+                  "c = normalise(z, 1)\n    return c, normalise(c, 0)")
 
 # name: (file, [(old, new), ...], test files)
 MUTATIONS = {
@@ -33,9 +33,12 @@ MUTATIONS = {
                                        ("matmul_weights_in_compute_dtype(params, c.dtype)",
                                         'matmul_weights_in_compute_dtype(params, "float32")')],
                      ["tests/test_bf16.py"]),
-    "Sinkhorn columns last": ("nash_mhc/ops/sinkhorn.py",
-                              [(SINKHORN_ORDER, "\n        ".join(reversed(SINKHORN_ORDER.split("\n        "))))],
+    "Sinkhorn columns last": ("nash_mhc/ops/sinkhorn_rounds.py", [SINKHORN_ORDER],
                               [REFERENCE, "tests/test_sinkhorn.py", "tests/test_golden.py"]),
+    "Sinkhorn backward skips the row step": ("nash_mhc/ops/sinkhorn_rounds.py",
+                                             [("dc = dr - jnp.exp(r) * jnp.sum(dr, axis=1, keepdims=True)",
+                                               "dc = dr")],
+                                             [REFERENCE, "tests/test_sinkhorn.py", "tests/test_sinkhorn_kernel.py"]),
     "upsampling shift off by one": ("nash_mhc/ops/multiscale.py",
                                     [("keep = seq_len - (block - 1)", "keep = seq_len - block"),
                                      ("jnp.zeros((*batch, block - 1, dim), y.dtype), repeated",

@@ -10,6 +10,8 @@ import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+import reference as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,6 +53,22 @@ def test_column_error_shrinks_with_iterations_for_spread_out_logits():
     assert errors[0] > errors[1] > errors[2] > errors[3]
     assert errors[1] > 1e-3  # 20 iterations do not converge at std 2: H_res is only approximately DS
     assert errors[3] < 1e-4
+
+
+@pytest.mark.parametrize("num_iters", [1, 20])
+def test_gradient_matches_central_differences_of_the_float64_reference(num_iters):
+    """The XLA path's custom backward (re-run the rounds, walk them back) against the float64 reference's
+    directional derivatives, batch dimensions included ([2, 3, 4, 4])."""
+    rng = np.random.default_rng(num_iters)
+    z = jnp.asarray(2.0 * rng.normal(size=(2, 3, 4, 4)), jnp.float32)
+    g = rng.normal(size=z.shape)
+    (dz,) = jax.vjp(projector(num_iters), z)[1](jnp.asarray(g, jnp.float32))
+    z64, eps = np.asarray(z, np.float64), 1e-5
+    for _ in range(3):
+        v = rng.normal(size=z.shape)
+        want = (np.sum(ref.sinkhorn(z64 + eps * v, num_iters) * g)
+                - np.sum(ref.sinkhorn(z64 - eps * v, num_iters) * g)) / (2 * eps)
+        np.testing.assert_allclose(np.sum(np.asarray(dz, np.float64) * v), want, rtol=1e-4, atol=1e-4)
 
 
 def test_one_by_one_is_exactly_one():

@@ -7,9 +7,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from beartype import beartype
+from einops import rearrange
 from jaxtyping import Array, Float, jaxtyped
 
 from nash_mhc.ops.sinkhorn_kernel import sinkhorn_tokens, token_block
+from nash_mhc.ops.sinkhorn_rounds import sinkhorn_round, walk_back
 from nash_mhc.sharding import per_shard
 
 
@@ -19,13 +21,14 @@ def sinkhorn(logits: Float[Array, "*batch n n"], num_iters: int = 20) -> Float[A
 
     Computed in float32 whatever the input dtype. Rows are normalised last, so row sums are 1 to float32
     precision; column sums converge as ``num_iters`` grows (fast for logits of small spread). Every iterate
-    is a log-sum-exp shift, so values and gradients stay finite for logits of any magnitude. The iterations
-    run in a ``lax.scan`` under ``jax.checkpoint``: only the input is saved for the backward pass, which
-    re-runs the iterations (cheap on n×n matrices) and differentiates through them.
+    is a log-sum-exp shift, so values and gradients stay finite for logits of any magnitude. Only the input is
+    saved for the backward pass, which re-runs the rounds keeping their iterates and walks them back
+    (:mod:`nash_mhc.ops.sinkhorn_rounds`: the gradient of exactly these ``num_iters`` rounds). The matrices
+    are laid out [n, n, tokens], so every step is vectorised along the tokens.
 
     Lowered for TPU, one [T, n, n] batch of matrices whose T a token tile divides runs as the Pallas kernels of
     :func:`nash_mhc.ops.sinkhorn_kernel.sinkhorn_tokens` on each device's token shard (same function, same
-    saved input; finite logits); elsewhere (CPU, GPU) the XLA scan.
+    saved input; finite logits); elsewhere (CPU, GPU) the same rounds in XLA.
     """
     if num_iters < 1:
         raise ValueError(f"sinkhorn needs num_iters >= 1, got {num_iters}")
@@ -38,24 +41,41 @@ def sinkhorn(logits: Float[Array, "*batch n n"], num_iters: int = 20) -> Float[A
 
 
 def _sinkhorn_shard(logits: jax.Array, num_iters: int) -> jax.Array:
-    """One device's tokens: the kernels, or the XLA scan where no token tile divides the shard."""
+    """One device's tokens: the kernels, or the XLA rounds where no token tile divides the shard."""
     if token_block(logits.shape[0]) is None:
         return _sinkhorn_xla(logits, num_iters)
     return sinkhorn_tokens(logits, num_iters)
 
 
 def _sinkhorn_xla(logits: jax.Array, num_iters: int) -> jax.Array:
-    z = logits.astype(jnp.float32)
+    """[*batch, n, n] → [*batch, n, n] float32 by :func:`_rounds` on the matrices laid out [n, n, tokens]."""
+    *batch, n, _ = logits.shape
+    z = rearrange(logits.astype(jnp.float32), "... i j -> i j (...)")
+    return rearrange(_rounds(z, num_iters), "i j t -> t i j").reshape(*batch, n, n)
 
-    def normalise(z: jax.Array, _: None) -> tuple[jax.Array, None]:
-        z = z - jax.nn.logsumexp(z, axis=-2, keepdims=True)  # columns sum to 1
-        z = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)  # rows sum to 1
-        return z, None
 
-    # the backward pass re-runs the iterations instead of saving all of them
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def project(z: jax.Array) -> jax.Array:
-        z, _ = jax.lax.scan(normalise, z, None, length=num_iters)
-        return jnp.exp(z)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _rounds(z: jax.Array, num_iters: int) -> jax.Array:
+    """exp of ``num_iters`` rounds of [n, n, T] float32; only z is saved for the backward pass."""
+    return jnp.exp(jax.lax.fori_loop(0, num_iters, lambda _, z: sinkhorn_round(z)[1], z))
 
-    return project(z)
+
+def _rounds_fwd(z: jax.Array, num_iters: int) -> tuple[jax.Array, jax.Array]:
+    return _rounds(z, num_iters), z
+
+
+def _rounds_bwd(num_iters: int, z: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    """Re-run the rounds keeping each one's iterates, then walk them back from the last."""
+    def forward(z: jax.Array, _: None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        c, r = sinkhorn_round(z)
+        return r, (c, r)
+
+    def backward(dr: jax.Array, iterates: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+        return walk_back(dr, *iterates), None
+
+    z, iterates = jax.lax.scan(forward, z, None, length=num_iters)  # [num_iters, n, n, T] each
+    dz, _ = jax.lax.scan(backward, g * jnp.exp(z), iterates, reverse=True)
+    return (dz,)
+
+
+_rounds.defvjp(_rounds_fwd, _rounds_bwd)

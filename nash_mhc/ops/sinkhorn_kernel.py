@@ -9,8 +9,7 @@ of the ``1b`` mhc + full step, compiler estimate). The kernels hold a tile of to
 
   forward    reads the logits once, writes exp(z) once
   backward   reads the logits and the output's cotangent, reruns the rounds keeping every iterate in VMEM, and
-             walks them back: for a row step z = c - lse_j(c), dc = dz - exp(z) sum_j dz; for a column step
-             c = z' - lse_i(z'), dz' = dc - exp(c) sum_i dc; writes d logits once
+             walks them back (:func:`nash_mhc.ops.sinkhorn_rounds.walk_back`); writes d logits once
 
 The matrices are laid out [n, n, T] so a token tile [n, n, tile] keeps the tokens in the lanes. Each
 ``pallas_call`` declares its cost (:func:`kernel_costs`). Used on TPU only (:func:`nash_mhc.ops.sinkhorn.
@@ -27,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from nash_mhc.ops.sinkhorn_rounds import sinkhorn_round, walk_back
 
 F32 = jnp.float32
 TOKEN_BLOCKS = (512, 256, 128)  # a token tile: a multiple of the 128 lanes
@@ -67,32 +68,21 @@ def kernel_costs(tokens: int, n: int, num_iters: int) -> KernelCosts:
 
 
 # -------------------------------------------------------------------------------------------- kernels
-def _normalise(z: jax.Array, axis: int) -> jax.Array:
-    """z - logsumexp(z) along ``axis`` of [n, n, tile] (0: each column sums to 1 after exp, 1: each row)."""
-    peak = jnp.max(z, axis=axis, keepdims=True)
-    return z - (jnp.log(jnp.sum(jnp.exp(z - peak), axis=axis, keepdims=True)) + peak)
-
-
 def _forward_kernel(z_ref, out_ref, *, num_iters):
-    def round_(_, z):
-        return _normalise(_normalise(z, 0), 1)
-    out_ref[...] = jnp.exp(jax.lax.fori_loop(0, num_iters, round_, z_ref[...]))
+    out_ref[...] = jnp.exp(jax.lax.fori_loop(0, num_iters, lambda _, z: sinkhorn_round(z)[1], z_ref[...]))
 
 
 def _backward_kernel(z_ref, g_ref, dz_ref, columns, rows, *, num_iters):
     """``columns[k]`` / ``rows[k]``: the iterate after round k's column / row step."""
     def forward(k, z):
-        c = _normalise(z, 0)
-        columns[k] = c
-        rows[k] = _normalise(c, 1)
+        columns[k], rows[k] = sinkhorn_round(z)
         return rows[k]
     z = jax.lax.fori_loop(0, num_iters, forward, z_ref[...])
     out = jnp.exp(z)
 
     def backward(step, dz):
         k = num_iters - 1 - step
-        dc = dz - jnp.exp(rows[k]) * jnp.sum(dz, axis=1, keepdims=True)
-        return dc - jnp.exp(columns[k]) * jnp.sum(dc, axis=0, keepdims=True)
+        return walk_back(dz, columns[k], rows[k])
     dz_ref[...] = jax.lax.fori_loop(0, num_iters, backward, g_ref[...] * out)
 
 
