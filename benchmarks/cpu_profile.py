@@ -1,0 +1,107 @@
+"""Where a CPU train step spends its time: XLA CPU thunk time per step by the nash_mhc source line behind each op.
+
+    python benchmarks/cpu_profile.py [--preset small] [--residual mhc] [--attention multiscale] [--steps 3] \
+        [--out DIR] [--top 30] [--match TEXT]
+
+Compiles one train step of the preset (batch 8, one device, the variant's ``--residual`` / ``--attention``),
+runs two steps, then traces ``--steps`` more with ``jax.profiler`` while XLA dumps the optimised HLO
+(``--xla_dump_to``). Each profiler event named after an HLO instruction of the step's module is charged to the
+innermost ``nash_mhc`` frame of that instruction's stack trace (the HLO's stack-frame tables, read as in
+``benchmarks/estimate_breakdown.py``). Prints milliseconds and thunks per step by source line, largest first;
+``--match TEXT`` also lists the largest instructions of the lines containing TEXT.
+
+The times are the runtime's per-thunk events: a ``while`` loop's event covers the thunks of its body, which are
+counted again under their own lines, and the step runs on several threads, so the column adds up to more than the
+step's wall time. Read it as a ranking and as thunk counts (each thunk costs the XLA CPU runtime some microseconds
+whatever its size), not as a partition of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--residual", default=None, help="default: the preset's")
+    parser.add_argument("--attention", default=None, help="default: the preset's")
+    parser.add_argument("--steps", type=int, default=3, help="traced steps")
+    parser.add_argument("--out", type=Path, default=None, help="keep the trace and HLO dump here")
+    parser.add_argument("--top", type=int, default=30, help="source lines to print")
+    parser.add_argument("--match", default=None, help="also list the largest instructions of these lines")
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    out = args.out or Path(tempfile.mkdtemp(prefix="cpu_profile_"))
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={out / 'dump'}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import estimate_breakdown
+    import jax
+    from jax.profiler import ProfileData
+
+    import nash_mhc
+    from nash_mhc import ModelConfig, TrainConfig, make_mesh
+    from nash_mhc.training import Batch, init_train_state, train_step
+
+    overrides = {k: v for k, v in (("residual", args.residual), ("attention", args.attention)) if v}
+    config = ModelConfig.preset(args.preset, **overrides)
+    train = TrainConfig(batch_size=8, learning_rate=1e-3, warmup_steps=1, total_steps=100_000)
+    state = init_train_state(config, train, make_mesh(1, 1, 1, devices=jax.devices()[:1]), key=jax.random.key(0))
+    batch = Batch(tokens=jax.random.randint(jax.random.key(1), (8, config.seq_len + 1), 0, config.vocab_size))
+    for _ in range(2):  # compile, then one more step outside the trace
+        state, metrics = train_step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+    jax.profiler.start_trace(str(out / "trace"))
+    for _ in range(args.steps):
+        state, metrics = train_step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+    jax.profiler.stop_trace()
+
+    time_ns: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    for plane in ProfileData.from_file(str(max((out / "trace").rglob("*.xplane.pb"), key=os.path.getmtime))).planes:
+        for line in plane.lines:
+            for event in line.events:
+                time_ns[event.name] += event.duration_ns
+                count[event.name] += 1
+    module = max((out / "dump").glob("*train_step*cpu_after_optimizations.txt"), key=os.path.getsize)
+    text = module.read_text()
+    frames = estimate_breakdown.source_lines(text)
+    instructions = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = ([^\n]*)", text, re.M)}
+    source = {}
+    for name, rest in instructions.items():
+        frame = re.search(r"stack_frame_id=(\d+)", rest)
+        source[name] = frames.get(int(frame.group(1)), "?") if frame else "(no stack frame)"
+    by_line: collections.Counter[str] = collections.Counter()
+    thunks: collections.Counter[str] = collections.Counter()
+    for name in time_ns.keys() & source.keys():
+        by_line[source[name]] += time_ns[name]
+        thunks[source[name]] += count[name]
+    steps = args.steps
+    label = ", ".join(f"{k} {v}" for k, v in overrides.items()) or "preset defaults"
+    print(f"{args.preset} ({label}), batch 8, one CPU device, {steps} traced steps; nash_mhc from "
+          f"{Path(nash_mhc.__file__).parent.parent}; module {module.name}")
+    print(f"thunks per step {sum(thunks.values()) / steps:,.0f}; events by source line, per step:")
+    for line, ns in by_line.most_common(args.top):
+        print(f"{ns / steps / 1e6:9.2f} ms {thunks[line] / steps:7.0f} thunks  {line}")
+    if args.match:
+        rows = sorted(((time_ns[n], n) for n in time_ns.keys() & source.keys() if args.match in source[n]),
+                      reverse=True)
+        print(f"largest instructions of the lines matching {args.match!r}:")
+        for ns, name in rows[:args.top]:
+            print(f"{ns / steps / 1e6:9.2f} ms x{count[name] / steps:<4.0f} {name}: {instructions[name][:140]}")
+    print(f"trace and HLO in {out}")
+
+
+if __name__ == "__main__":
+    main()
