@@ -24,7 +24,8 @@ def sinkhorn(logits: Float[Array, "*batch n n"], num_iters: int = 20) -> Float[A
     is a log-sum-exp shift, so values and gradients stay finite for logits of any magnitude. Only the input is
     saved for the backward pass, which re-runs the rounds keeping their iterates and walks them back
     (:mod:`nash_mhc.ops.sinkhorn_rounds`: the gradient of exactly these ``num_iters`` rounds). The matrices
-    are laid out [n, n, tokens], so every step is vectorised along the tokens.
+    are laid out [n, n, tokens], so every step is vectorised along the tokens. Reverse mode only (a
+    ``custom_vjp``, as the TPU kernels).
 
     Lowered for TPU, one [T, n, n] batch of matrices whose T a token tile divides runs as the Pallas kernels of
     :func:`nash_mhc.ops.sinkhorn_kernel.sinkhorn_tokens` on each device's token shard (same function, same
