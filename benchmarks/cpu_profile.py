@@ -1,14 +1,15 @@
 """Where a CPU train step spends its time: XLA CPU thunk time per step by the nash_mhc source line behind each op.
 
-    python benchmarks/cpu_profile.py [--preset small] [--residual mhc] [--attention multiscale] [--steps 3] \
-        [--out DIR] [--top 30] [--match TEXT]
+    python benchmarks/cpu_profile.py [--residual mhc] [--attention multiscale] [--steps 3] [--out DIR] \
+        [--top 30] [--match TEXT]
 
-Compiles one train step of the preset (batch 8, one device, the variant's ``--residual`` / ``--attention``),
-runs two steps, then traces ``--steps`` more with ``jax.profiler`` while XLA dumps the optimised HLO
-(``--xla_dump_to``). Each profiler event named after an HLO instruction of the step's module is charged to the
-innermost ``nash_mhc`` frame of that instruction's stack trace (the HLO's stack-frame tables, read as in
-``benchmarks/estimate_breakdown.py``). Prints milliseconds and thunks per step by source line, largest first;
-``--match TEXT`` also lists the largest instructions of the lines containing TEXT.
+Compiles the ``small`` train step that ``nanogpt_compare.py`` times (:func:`nanogpt_compare.nash_step`: batch 8,
+one device, the variant's ``--residual`` / ``--attention``), runs two steps, then traces ``--steps`` more with
+``jax.profiler`` while XLA dumps the optimised HLO (``--xla_dump_to``). Each profiler event named after an HLO
+instruction of the step's module is charged to the innermost ``nash_mhc`` frame of that instruction's stack trace
+(the HLO's stack-frame tables, read as in ``benchmarks/estimate_breakdown.py``). Prints milliseconds and thunks per
+step by source line, largest first; ``--match TEXT`` also lists the largest instructions of the lines containing
+TEXT.
 
 The times are the runtime's per-thunk events: a ``while`` loop's event covers the thunks of its body, which are
 counted again under their own lines, and the step runs on several threads, so the column adds up to more than the
@@ -31,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="small")
     parser.add_argument("--residual", default=None, help="default: the preset's")
     parser.add_argument("--attention", default=None, help="default: the preset's")
     parser.add_argument("--steps", type=int, default=3, help="traced steps")
@@ -48,23 +48,18 @@ def main() -> None:
     import estimate_breakdown
     import jax
     from jax.profiler import ProfileData
+    from nanogpt_compare import nash_step
 
     import nash_mhc
-    from nash_mhc import ModelConfig, TrainConfig, make_mesh
-    from nash_mhc.training import Batch, init_train_state, train_step
+    from nash_mhc import ModelConfig
 
-    overrides = {k: v for k, v in (("residual", args.residual), ("attention", args.attention)) if v}
-    config = ModelConfig.preset(args.preset, **overrides)
-    train = TrainConfig(batch_size=8, learning_rate=1e-3, warmup_steps=1, total_steps=100_000)
-    state = init_train_state(config, train, make_mesh(1, 1, 1, devices=jax.devices()[:1]), key=jax.random.key(0))
-    batch = Batch(tokens=jax.random.randint(jax.random.key(1), (8, config.seq_len + 1), 0, config.vocab_size))
+    defaults = ModelConfig.preset("small")
+    step, config = nash_step(args.residual or defaults.residual, args.attention or defaults.attention, 8)
     for _ in range(2):  # compile, then one more step outside the trace
-        state, metrics = train_step(state, batch)
-        jax.block_until_ready(metrics["loss"])
+        step()
     jax.profiler.start_trace(str(out / "trace"))
     for _ in range(args.steps):
-        state, metrics = train_step(state, batch)
-        jax.block_until_ready(metrics["loss"])
+        step()
     jax.profiler.stop_trace()
 
     time_ns: collections.Counter[str] = collections.Counter()
@@ -88,9 +83,8 @@ def main() -> None:
         by_line[source[name]] += time_ns[name]
         thunks[source[name]] += count[name]
     steps = args.steps
-    label = ", ".join(f"{k} {v}" for k, v in overrides.items()) or "preset defaults"
-    print(f"{args.preset} ({label}), batch 8, one CPU device, {steps} traced steps; nash_mhc from "
-          f"{Path(nash_mhc.__file__).parent.parent}; module {module.name}")
+    print(f"small ({config.residual} + {config.attention}), batch 8, one CPU device, {steps} traced steps; "
+          f"nash_mhc from {Path(nash_mhc.__file__).parent.parent}; module {module.name}")
     print(f"thunks per step {sum(thunks.values()) / steps:,.0f}; events by source line, per step:")
     for line, ns in by_line.most_common(args.top):
         print(f"{ns / steps / 1e6:9.2f} ms {thunks[line] / steps:7.0f} thunks  {line}")
