@@ -11,7 +11,7 @@ from einops import rearrange
 from jaxtyping import Array, Float, jaxtyped
 
 from nash_mhc.ops.sinkhorn_kernel import sinkhorn_tokens, token_block
-from nash_mhc.ops.sinkhorn_rounds import sinkhorn_round, walk_back
+from nash_mhc.ops.sinkhorn_rounds import project, sinkhorn_round, walk_back
 from nash_mhc.sharding import per_shard
 
 
@@ -58,7 +58,7 @@ def _sinkhorn_xla(logits: jax.Array, num_iters: int) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _rounds(z: jax.Array, num_iters: int) -> jax.Array:
     """exp of ``num_iters`` rounds of [n, n, T] float32; only z is saved for the backward pass."""
-    return jnp.exp(jax.lax.fori_loop(0, num_iters, lambda _, z: sinkhorn_round(z)[1], z))
+    return project(z, num_iters)
 
 
 def _rounds_fwd(z: jax.Array, num_iters: int) -> tuple[jax.Array, jax.Array]:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from nash_mhc.ops.sinkhorn_rounds import sinkhorn_round, walk_back
+from nash_mhc.ops.sinkhorn_rounds import project, sinkhorn_round, walk_back
 
 F32 = jnp.float32
 TOKEN_BLOCKS = (512, 256, 128)  # a token tile: a multiple of the 128 lanes
@@ -69,7 +69,7 @@ def kernel_costs(tokens: int, n: int, num_iters: int) -> KernelCosts:
 
 # -------------------------------------------------------------------------------------------- kernels
 def _forward_kernel(z_ref, out_ref, *, num_iters):
-    out_ref[...] = jnp.exp(jax.lax.fori_loop(0, num_iters, lambda _, z: sinkhorn_round(z)[1], z_ref[...]))
+    out_ref[...] = project(z_ref[...], num_iters)
 
 
 def _backward_kernel(z_ref, g_ref, dz_ref, columns, rows, *, num_iters):

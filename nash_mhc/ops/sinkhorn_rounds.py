@@ -3,6 +3,7 @@
 
     normalise(z, axis)              z - logsumexp(z) along axis (0: each column sums to 1 after exp; 1: each row)
     sinkhorn_round(z)               (c, r): c = the column step of z, r = the row step of c
+    project(z, num_iters)           exp of num_iters rounds from z (the forward pass)
     walk_back(dr, c, r)             d z of one round, given d r and the round's iterates c and r
 
 With the tokens minor, every reduction is over a major axis of n entries: elementwise work across the tokens
@@ -25,6 +26,11 @@ def sinkhorn_round(z: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One round on [n, n, T]: c (columns normalised), then r (c's rows normalised); r is the next iterate."""
     c = normalise(z, 0)
     return c, normalise(c, 1)
+
+
+def project(z: jax.Array, num_iters: int) -> jax.Array:
+    """exp of the iterate after ``num_iters`` rounds from z, [n, n, T]."""
+    return jnp.exp(jax.lax.fori_loop(0, num_iters, lambda _, z: sinkhorn_round(z)[1], z))
 
 
 def walk_back(dr: jax.Array, c: jax.Array, r: jax.Array) -> jax.Array:
