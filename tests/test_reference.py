@@ -66,6 +66,35 @@ def test_rope_matches_reference_at_any_spacing_and_positions(spacing):
     assert_close(default, ref.rope(x, np.arange(9), spacing), atol=atol)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rope_gradient_is_the_reference_rotation_by_the_opposite_angle(dtype):
+    """RoPE is a rotation R per token, so the gradient of Σ c ⊙ rope(x) is Rᵀ c: the reference rotation at the
+    negated positions. (rope has a hand-written VJP.) bf16: the cotangent is a bf16 number, the float32 products
+    and sums are rounded once to bf16."""
+    x = normal(5, (2, 9, 3, 16))
+    c = normal(6, (2, 9, 3, 16))
+    positions = np.random.default_rng(7).integers(0, 300, 9)
+    x_j, c_j = jnp.asarray(x, dtype), jnp.asarray(c, dtype)
+    grad = jax.grad(lambda x: jnp.sum(c_j.astype(jnp.float32) * rope(x, spacing=3, positions=jnp.asarray(
+        positions, jnp.int32)).astype(jnp.float32)))(x_j)
+    assert grad.dtype == x_j.dtype
+    want = ref.rope(np.asarray(c_j, np.float64), -positions, 3)
+    scale = np.abs(want).max()
+    atol = (2 * EPS32 * positions.max() * 3 + 4 * EPS32) * scale if dtype == "float32" else 2.0**-8 * scale
+    assert_close(np.asarray(grad, np.float64), want, atol=atol)
+
+
+def test_rope_swaps_halves_on_tpu_by_an_exact_one_hot_matmul():
+    """The TPU form of RoPE's half swap (a bf16 one-hot matmul) equals the slicing form bit for bit."""
+    from nash_mhc.ops.rope import _swap_halves_matmul
+
+    x = jnp.asarray(normal(8, (4, 9, 3, 128), 50.0), jnp.bfloat16)
+    got = _swap_halves_matmul(x, 64)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(jnp.concatenate([x[..., 64:], x[..., :64]], axis=-1), np.float32))
+
+
 @pytest.mark.parametrize("seq", [48, 256])  # one query chunk; four chunks (causal block skipping)
 def test_causal_attention_matches_reference(seq):
     q, k, v = (normal(seed, (seq, 2, 16), scale) for seed, scale in ((5, 2.0), (6, 1.0), (7, 1.0)))
