@@ -180,6 +180,16 @@ def _check_token_ids(tokens: jax.Array, vocab_size: int) -> None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
+def lm_head_logits(h: Float[Array, "*batch seq dim"], head: Float[Array, "dim vocab"], config: ModelConfig
+                   ) -> Float[Array, "*batch seq vocab"]:
+    """Logits [..., T, V] float32 of states ``h`` [..., T, D] by the head weight [D, V]; padded columns -1e30.
+    Compute-dtype operands, float32 accumulation and logits; the backward matmuls stay in the compute dtype."""
+    logits = f32_einsum("td,dv->tv", h.reshape(-1, h.shape[-1]), head, config.dtype)
+    logits = logits.reshape(*h.shape[:-1], logits.shape[-1])
+    real = jnp.arange(config.padded_vocab_size) < config.vocab_size
+    return jnp.where(real, logits, -1e30)
+
+
 class LanguageModel(eqx.Module):
     """Decoder-only Nash-MHC language model on tokens [T] or a batch [B, T] (``jax.vmap`` also works).
 
@@ -236,13 +246,11 @@ class LanguageModel(eqx.Module):
     def head_logits(self, h: Float[Array, "*batch seq dim"]) -> Float[Array, "*batch seq vocab"]:
         """LM head on collapsed states ``h`` [..., T, D]: logits [..., T, V] float32, padded columns -1e30.
         Position-wise, so it can run on a slice of the positions at a time (chunked cross-entropy)."""
-        c = self.config
-        head = self.embedding.T if self.head is None else self.head
-        # Compute-dtype operands, float32 accumulation and logits; the backward matmuls stay in the compute dtype.
-        logits = f32_einsum("td,dv->tv", h.reshape(-1, h.shape[-1]), head, c.dtype)
-        logits = logits.reshape(*h.shape[:-1], logits.shape[-1])
-        real = jnp.arange(c.padded_vocab_size) < c.vocab_size
-        return jnp.where(real, logits, -1e30)
+        return lm_head_logits(h, self.head_weight(), self.config)
+
+    def head_weight(self) -> Float[Array, "dim vocab"]:
+        """The LM head's weight [D, V]: the embedding's transpose when tied."""
+        return self.embedding.T if self.head is None else self.head
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, tokens: Int[Array, "*batch seq"], *, return_residual_maps: bool = False) -> ModelOutput:
