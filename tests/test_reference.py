@@ -69,8 +69,7 @@ def test_rope_matches_reference_at_any_spacing_and_positions(spacing):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rope_gradient_is_the_reference_rotation_by_the_opposite_angle(dtype):
     """RoPE is a rotation R per token, so the gradient of Σ c ⊙ rope(x) is Rᵀ c: the reference rotation at the
-    negated positions. (rope has a hand-written VJP.) bf16: the cotangent is a bf16 number, the float32 products
-    and sums are rounded once to bf16."""
+    negated positions. bf16: the cotangent is a bf16 number, the float32 products and sums are rounded once."""
     x = normal(5, (2, 9, 3, 16))
     c = normal(6, (2, 9, 3, 16))
     positions = np.random.default_rng(7).integers(0, 300, 9)
@@ -84,15 +83,25 @@ def test_rope_gradient_is_the_reference_rotation_by_the_opposite_angle(dtype):
     assert_close(np.asarray(grad, np.float64), want, atol=atol)
 
 
-def test_rope_swaps_halves_on_tpu_by_an_exact_one_hot_matmul():
-    """The TPU form of RoPE's half swap (a bf16 one-hot matmul) equals the slicing form bit for bit."""
-    from nash_mhc.ops.rope import _swap_halves_matmul
+def test_rope_tpu_form_gives_the_same_bits_forward_and_backward():
+    """The TPU form of bf16 RoPE (the half swap as a one-hot matmul, a hand-written backward), run on the CPU with
+    rope's own float32 angle tables, equals what rope computes on the CPU (the slicing form, autodiff), outputs
+    and gradients bit for bit."""
+    from nash_mhc.ops.rope import rotate_tpu
 
     x = jnp.asarray(normal(8, (4, 9, 3, 128), 50.0), jnp.bfloat16)
-    got = _swap_halves_matmul(x, 64)
-    assert got.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(got, np.float32),
-                                  np.asarray(jnp.concatenate([x[..., 64:], x[..., :64]], axis=-1), np.float32))
+    g = jnp.asarray(normal(9, (4, 9, 3, 128)), jnp.bfloat16)
+    half, spacing = 64, 2
+    freqs = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)  # as rope makes them
+    angles = (jnp.arange(9, dtype=jnp.float32) * spacing)[:, None] * freqs[None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    tpu_out, tpu_pullback = jax.vjp(
+        lambda x: rotate_tpu(x, jnp.concatenate([cos, cos], -1), jnp.concatenate([-sin, sin], -1)), x)
+    cpu_out, cpu_pullback = jax.vjp(lambda x: rope(x, spacing=spacing), x)
+    assert tpu_out.dtype == cpu_out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(tpu_out, np.float32), np.asarray(cpu_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(tpu_pullback(g)[0], np.float32),
+                                  np.asarray(cpu_pullback(g)[0], np.float32))
 
 
 @pytest.mark.parametrize("seq", [48, 256])  # one query chunk; four chunks (causal block skipping)

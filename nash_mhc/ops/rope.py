@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +17,8 @@ def rope(x: Float[Array, "*batch seq heads head_dim"], *, spacing: int = 1, thet
     ``positions`` defaults to ``0..seq-1`` (a whole sequence); incremental decoding passes the index of the
     token(s) it holds. Coarse tokens at scale l use ``spacing = s_l`` (and coarse indices as positions) so
     their relative angles match fine-token distances. Leading batch axes share the positions. Angles and
-    products are float32; the result has the input dtype.
+    products are float32; the result has the input dtype. On TPU, 16-bit inputs take :func:`rotate_tpu` (the
+    same numbers, forward and backward).
     """
     seq, _, head_dim = x.shape[-3:]
     half = head_dim // 2
@@ -28,46 +27,46 @@ def rope(x: Float[Array, "*batch seq heads head_dim"], *, spacing: int = 1, thet
     angles = (index * spacing)[:, None] * freqs[None, :]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
-    return _rotate(x, jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1))
+
+    def halves(x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+    if jnp.dtype(x.dtype).itemsize != 2:
+        return halves(x)
+    full_cos, signed_sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+    return jax.lax.platform_dependent(x, tpu=lambda x: rotate_tpu(x, full_cos, signed_sin), default=halves)
 
 
 @jax.custom_vjp
-def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x ⊙ cos + swap_halves(x) ⊙ sin in float32, returned in x's dtype; cos = [c, c], sin = [-s, s] over the
-    last axis (broadcast against x). A rotation R; its transpose is the rotation by the opposite angle."""
-    return (x.astype(jnp.float32) * cos + _swap_halves(x).astype(jnp.float32) * sin).astype(x.dtype)
+def rotate_tpu(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """RoPE of 16-bit ``x`` [..., K] for TPU: x ⊙ cos + swap_halves(x) ⊙ sin in float32, rounded to x's dtype,
+    with cos = [c, c] and sin = [-s, s] over the last axis (broadcast against x).
+
+    Slicing the K/2 halves (:func:`rope`'s form) leaves each (8, 128) tile half empty; here the swap
+    [x₁, x₂] → [x₂, x₁] is a one-hot matmul (one product by 1 per output, float32 accumulation: exact), and the
+    backward pass is the rotation by the opposite angle (Rᵀ g = g ⊙ cos + swap_halves(g) ⊙ (−sin)), so its
+    swap takes the 16-bit cotangent too. The TPU compiler's cost model charged RoPE's forward and backward (with
+    the flash kernels' head-major transposes that fuse into it) about 2x this form (docs/tpu.md). On the CPU
+    XLA fuses the slicing form better, so :func:`rope` uses this on TPU only."""
+    swapped = jnp.einsum("...k,kj->...j", x, _swap_matrix(x.shape[-1], x.dtype), precision=jax.lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+    return (x.astype(jnp.float32) * cos + swapped * sin).astype(x.dtype)
 
 
-def _rotate_forward(x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, tuple]:
-    return _rotate(x, cos, sin), (cos, sin)
+def _swap_matrix(size: int, dtype: jnp.dtype) -> jax.Array:
+    """P with x @ P = [x₂, x₁] (the halves of the last axis swapped)."""
+    return jnp.asarray(np.roll(np.eye(size), size // 2, axis=0), dtype)
 
 
-def _rotate_backward(residuals: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Rᵀ g = g ⊙ cos + swap_halves(g) ⊙ (−sin) (with sin = [−s, s], swap_halves(g ⊙ [s, −s]) = that term), in
-    float32 from g's dtype, as autodiff of the forward computes it; the angles get no gradient."""
-    cos, sin = residuals
-    return _rotate(g, cos, -sin), jnp.zeros_like(cos), jnp.zeros_like(sin)
+def _rotate_tpu_forward(x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, tuple]:
+    return rotate_tpu(x, cos, sin), (cos, sin)
 
 
-_rotate.defvjp(_rotate_forward, _rotate_backward)
+def _rotate_tpu_backward(residuals: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    cos, sin = residuals  # the angles get no gradient
+    return rotate_tpu(g, cos, -sin), jnp.zeros_like(cos), jnp.zeros_like(sin)
 
 
-def _swap_halves(x: jax.Array) -> jax.Array:
-    """[x₁, x₂] → [x₂, x₁] over the last axis, exactly. On TPU for 16-bit inputs a one-hot matmul (each output is
-    one input times 1, accumulated in float32: exact): slicing the halves puts each in (8, 128) tiles half
-    empty, and the TPU compiler's cost model charges RoPE's forward and backward about 2x the matmul form
-    (``benchmarks/tpu_estimate.py``, docs/tpu.md)."""
-    half = x.shape[-1] // 2
-
-    def slices(x: jax.Array) -> jax.Array:
-        return jnp.concatenate([x[..., half:], x[..., :half]], axis=-1)
-
-    if jnp.dtype(x.dtype).itemsize != 2:
-        return slices(x)
-    return jax.lax.platform_dependent(x, tpu=functools.partial(_swap_halves_matmul, half=half), default=slices)
-
-
-def _swap_halves_matmul(x: jax.Array, half: int) -> jax.Array:
-    permutation = jnp.asarray(np.roll(np.eye(2 * half), half, axis=0), x.dtype)  # x @ P = [x₂, x₁]
-    return jnp.einsum("...k,kj->...j", x, permutation, precision=jax.lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32).astype(x.dtype)
+rotate_tpu.defvjp(_rotate_tpu_forward, _rotate_tpu_backward)
