@@ -139,10 +139,12 @@ def chunked_loss_terms(model: LanguageModel, h: Float[Array, "batch seq dim"], t
     time (``lax.scan``), so the logits of only T/chunks positions [B, T/chunks, V] exist at once, forward and
     backward. The results are sums over positions, so they add up.
 
-    Differentiated, the cross-entropy is fused with its gradient (:func:`_fused_cross_entropy`): each slice's
-    logits are made once, and the gradients of Σ mask·NLL with respect to ``h`` and the head weight are formed
-    in the same pass, then scaled by the incoming cotangent. (Rematerialising each slice instead made its
-    logits twice, and the TPU compiler's estimate charged the LM head and loss 16 % of the `1b` step.)"""
+    Differentiated, the cross-entropy is fused with its gradient (a custom VJP): each slice's logits are made
+    once, and the gradients of Σ mask·NLL with respect to ``h`` and the head weight are formed in the same pass
+    (``jax.vjp`` of the slice with a unit cotangent, the head's summed in float32 over the slices), then scaled by
+    the incoming cotangent; undifferentiated (evaluation) only the loss is computed. (Rematerialising each slice
+    instead made its logits twice, and the TPU compiler's estimate charged the LM head and loss 16 % of the `1b`
+    step.)"""
     batch, seq, _ = h.shape
     config = model.config
 
@@ -160,7 +162,8 @@ def chunked_loss_terms(model: LanguageModel, h: Float[Array, "batch seq dim"], t
     @jax.custom_vjp
     def fused(h: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
         def step(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, ...], None]:
-            return tuple(a + b for a, b in zip(carry, terms(*xs[:1], head, *xs[1:]), strict=True)), None
+            h_c, t_c, m_c = xs
+            return tuple(a + b for a, b in zip(carry, terms(h_c, head, t_c, m_c), strict=True)), None
 
         return jax.lax.scan(step, (zero, zero), (split(h), split(targets), split(mask)))[0]
 
