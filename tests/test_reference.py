@@ -87,14 +87,12 @@ def test_rope_tpu_form_gives_the_same_bits_forward_and_backward():
     """The TPU form of bf16 RoPE (the half swap as a one-hot matmul, a hand-written backward), run on the CPU with
     rope's own float32 angle tables, equals what rope computes on the CPU (the slicing form, autodiff), outputs
     and gradients bit for bit."""
-    from nash_mhc.ops.rope import rotate_tpu
+    from nash_mhc.ops.rope import angle_tables, rotate_tpu
 
     x = jnp.asarray(normal(8, (4, 9, 3, 128), 50.0), jnp.bfloat16)
     g = jnp.asarray(normal(9, (4, 9, 3, 128)), jnp.bfloat16)
     half, spacing = 64, 2
-    freqs = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)  # as rope makes them
-    angles = (jnp.arange(9, dtype=jnp.float32) * spacing)[:, None] * freqs[None, :]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    cos, sin = angle_tables(9, half, spacing, 10000.0, None)  # rope's own
     tpu_out, tpu_pullback = jax.vjp(
         lambda x: rotate_tpu(x, jnp.concatenate([cos, cos], -1), jnp.concatenate([-sin, sin], -1)), x)
     cpu_out, cpu_pullback = jax.vjp(lambda x: rope(x, spacing=spacing), x)

@@ -22,11 +22,7 @@ def rope(x: Float[Array, "*batch seq heads head_dim"], *, spacing: int = 1, thet
     """
     seq, _, head_dim = x.shape[-3:]
     half = head_dim // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    index = jnp.arange(seq, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
-    angles = (index * spacing)[:, None] * freqs[None, :]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
+    cos, sin = angle_tables(seq, half, spacing, theta, positions)
 
     def halves(x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
@@ -37,6 +33,16 @@ def rope(x: Float[Array, "*batch seq heads head_dim"], *, spacing: int = 1, thet
         return halves(x)
     full_cos, signed_sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
     return jax.lax.platform_dependent(x, tpu=lambda x: rotate_tpu(x, full_cos, signed_sin), default=halves)
+
+
+def angle_tables(seq: int, half: int, spacing: int, theta: float, positions: jax.Array | None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [seq, 1, half] float32 of the angles (positions · spacing) · θ^(−i/half), i = 0..half−1
+    (positions default to 0..seq−1)."""
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    index = jnp.arange(seq, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
+    angles = (index * spacing)[:, None] * freqs[None, :]
+    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
 
 
 @jax.custom_vjp
