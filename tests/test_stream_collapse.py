@@ -59,12 +59,20 @@ def parameters(hc):
     return [hc.norm.weight, hc.phi, hc.alpha, hc.b_pre, hc.b_post, last]
 
 
+def xla_loss(hc, x, s, w):
+    """The same loss through :meth:`HyperConnection.streams_major` on the CPU: the XLA forms of both custom
+    backward passes (``kernels=False``)."""
+    out, _ = hc.streams_major(x, lambda u: u * s.astype(u.dtype))
+    return jnp.sum(w * out.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("path", [kernel_loss, xla_loss], ids=["kernels", "xla"])
 @pytest.mark.parametrize("mode", ["mhc", "mhc-lite"])
-def test_gradients_match_central_differences_of_the_float64_reference(mode):
+def test_gradients_match_central_differences_of_the_float64_reference(mode, path):
     """Every input's gradient, projected on a random direction, against (L(p + εv) − L(p − εv)) / 2ε of the
     NumPy reference (float64, ε = 1e-4)."""
     hc, x, s, w = connection(mode)
-    loss_value, grads = jax.value_and_grad(lambda hc, x: kernel_loss(hc, x, s, w), argnums=(0, 1))(hc, x)
+    loss_value, grads = jax.value_and_grad(lambda hc, x: path(hc, x, s, w), argnums=(0, 1))(hc, x)
     got = parameters(grads[0]) + [grads[1]]
     values = [np.asarray(a, np.float64) for a in parameters(hc) + [x]]
     rng = np.random.default_rng(1)
@@ -83,15 +91,11 @@ def test_gradients_match_central_differences_of_the_float64_reference(mode):
 
 
 def test_bfloat16_streams_follow_the_xla_path_within_bfloat16_rounding():
-    """The kernels' gradients for bf16 streams against JAX's autodiff of the HyperConnection's XLA path."""
+    """The kernels' gradients for bf16 streams against the HyperConnection's XLA path (the same rules in XLA)."""
     hc, x, s, w = connection("mhc", seed=2)
     x = x.astype(jnp.bfloat16)
-
-    def xla_loss(hc, x):
-        out, _ = hc.streams_major(x, lambda u: u * s.astype(u.dtype))
-        return jnp.sum(w * out.astype(jnp.float32))
     got = jax.grad(lambda hc, x: kernel_loss(hc, x, s, w), argnums=(0, 1))(hc, x)
-    want = jax.grad(xla_loss, argnums=(0, 1))(hc, x)
+    want = jax.grad(lambda hc, x: xla_loss(hc, x, s, w), argnums=(0, 1))(hc, x)
     assert got[1].dtype == jnp.bfloat16
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

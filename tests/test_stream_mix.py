@@ -56,9 +56,10 @@ def test_forward_and_gradients_match_float64_reference(mix):
         np.testing.assert_allclose(np.asarray(a, np.float64), b, atol=2e-5, rtol=2e-5, err_msg=name)
 
 
-def test_bfloat16_streams_are_rounded_once_and_coefficient_gradients_stay_float32():
+@pytest.mark.parametrize("mix", [kernel, mix_streams], ids=["kernel", "xla"])
+def test_bfloat16_streams_are_rounded_once_and_coefficient_gradients_stay_float32(mix):
     case = inputs(jnp.bfloat16, seed=1)
-    got, want = with_grads(kernel, *case), reference(*case)
+    got, want = with_grads(mix, *case), reference(*case)
     for name, a, b in zip(NAMES, got, want, strict=True):
         tol = 2e-5 if name.startswith("dh") else 2 ** -8  # one bfloat16 rounding of a float32 result
         assert a.dtype == (jnp.float32 if name.startswith("dh") else jnp.bfloat16), name

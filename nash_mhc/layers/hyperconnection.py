@@ -190,16 +190,11 @@ class HyperConnection(eqx.Module):
             Float[Array, "n seq dim"], Float[Array, "seq dim"], Float[Array, "seq n"], Float[Array, "seq n n"]]:
         """(X, u = sum_k H_pre[k] X[k], H_post, H_res) of mhc / mhc-lite. Lowered for TPU, the backward pass runs
         the Pallas kernels of :func:`nash_mhc.ops.stream_collapse.collapse_streams` (the raw projection and sum
-        of squares forward, the stream gradients backward); elsewhere (and where no token tile divides T) the slab
-        form in XLA, differentiated by JAX."""
-        def xla(xs: jax.Array, weighted_phi: jax.Array, params: tuple) -> tuple[jax.Array, ...]:
-            slabs = [a.astype(jnp.float32) for a in xs]
-            raw, ss = stream_stats(slabs, weighted_phi)
-            h_pre, h_post, h_res = coefficients(raw, ss, params)
-            return xs, weighted_sum(slabs, h_pre).astype(xs.dtype), h_post, h_res
-
+        of squares forward, the stream gradients backward); elsewhere (and where no token tile divides T) the same
+        custom backward with the kernels' slab forms in XLA (``kernels=False``)."""
         coefficients = self._coefficient_function()
         operands = (xs, self._weighted_phi(), self._coefficient_params())
+        xla = functools.partial(collapse_streams, coefficients, kernels=False)
         if mix_blocks(xs.shape[1], xs.shape[2]) is None:
             return xla(*operands)
         return jax.lax.platform_dependent(*operands, tpu=functools.partial(collapse_streams, coefficients),
@@ -221,30 +216,21 @@ def _mhc_coefficients(mode: str, n: int, dim: int, eps: float, sinkhorn_iters: i
     return h_pre, h_post, sinkhorn(alpha[2] * rearrange(a_res, "t (i j) -> t i j", i=n) + b_res, sinkhorn_iters)
 
 
-def _mix_xla(xs: jax.Array, y: jax.Array, h_res: jax.Array, h_post: jax.Array) -> jax.Array:
-    """H_res X + H_post (x) y over the n [T, D] slabs, float32, rounded once to X's dtype."""
-    slabs = [a.astype(jnp.float32) for a in xs]
-    y = y.astype(jnp.float32)
-    out = [sum(h_res[:, i, j, None] * slabs[j] for j in range(len(slabs))) + h_post[:, i, None] * y
-           for i in range(len(slabs))]
-    return jnp.stack(out).astype(xs.dtype)
-
-
 def mix_streams(xs: Float[Array, "n seq dim"], y: Float[Array, "seq dim"], h_res: Float[Array, "seq n n"],
                 h_post: Float[Array, "seq n"]) -> Float[Array, "n seq dim"]:
     """X <- H_res X + H_post (x) y on the streams-major state, in float32, rounded once to X's dtype.
 
     Lowered for TPU, the Pallas kernels of :func:`nash_mhc.ops.stream_mix.stream_mix` on each device's token
     shard (the compiler's fusions of the slab form read every input slab once per output slab); elsewhere
-    (CPU, GPU), and where no token tile divides T, the slab form in XLA. Chosen when the step is lowered
+    (CPU, GPU), and where no token tile divides T, the slab form in XLA with the kernels' backward rule
+    (``kernels=False``). Chosen when the step is lowered
     (``jax.lax.platform_dependent``); both compute the same float32 sums in the same order."""
+    xla = functools.partial(stream_mix, kernels=False)
     if mix_blocks(xs.shape[1], xs.shape[2]) is None:
-        return _mix_xla(xs, y, h_res, h_post)
-    return jax.lax.platform_dependent(xs, y, h_res, h_post, tpu=per_shard(_mix_shard, *SHARD_AXES), default=_mix_xla)
+        return xla(xs, y, h_res, h_post)
+    return jax.lax.platform_dependent(xs, y, h_res, h_post, tpu=per_shard(_mix_shard, *SHARD_AXES), default=xla)
 
 
 def _mix_shard(xs: jax.Array, y: jax.Array, h_res: jax.Array, h_post: jax.Array) -> jax.Array:
     """One device's tokens: the kernels, or the slab form where no token tile divides the shard."""
-    if mix_blocks(xs.shape[1], xs.shape[2]) is None:
-        return _mix_xla(xs, y, h_res, h_post)
-    return stream_mix(xs, y, h_res, h_post)
+    return stream_mix(xs, y, h_res, h_post, kernels=mix_blocks(xs.shape[1], xs.shape[2]) is not None)

@@ -20,9 +20,11 @@ collapse's own in one write. Backward, from (dX_out, du, dH_post, dH_res):
 In XLA the sum of squares and the projection read X in separate fusions (about 1 ms for one 1b sublayer on v6e
 against 0.33 ms for one read), and XLA's own backward of the slab form spends about 9 ms, writing float32 copies
 of the streams and summing the n stream gradients in separate passes (compiler estimates,
-``benchmarks/stream_mix_probe.py``). Each ``pallas_call`` declares its cost (:func:`kernel_costs`). Used on TPU
-only (:meth:`nash_mhc.layers.hyperconnection.HyperConnection.streams_major`); ``interpret=True`` runs the kernels
-in Pallas' interpreter (CPU tests).
+``benchmarks/stream_mix_probe.py``). Each ``pallas_call`` declares its cost (:func:`kernel_costs`). The kernels
+run on TPU only (:meth:`nash_mhc.layers.hyperconnection.HyperConnection.streams_major`); ``interpret=True`` runs
+them in Pallas' interpreter (CPU tests). ``kernels=False`` (the CPU's and GPU's form) computes the same
+functions and backward rule with each kernel's slab form in XLA, so the n stream gradients are written once,
+stacked, with the mix's cotangent added, instead of padded and summed.
 """
 
 from __future__ import annotations
@@ -134,12 +136,12 @@ def weighted_sum(slabs: list[jax.Array], h: jax.Array) -> jax.Array:
     return sum(h[:, j, None] * s for j, s in enumerate(slabs))
 
 
-def _stats(x, w, *, blocks, interpret):
+def _stats(x, w, *, blocks, interpret, kernels=True):
     """(raw = sum_j X_j W_j [T, C], ss = sum_j sum_d X_j² [T]) float32; the slab form in XLA where no tile divides
     this shard's (T, D)."""
     n, tokens, dim = x.shape
     coeffs = w.shape[2]
-    blocks = blocks or mix_blocks(tokens, dim)
+    blocks = (blocks or mix_blocks(tokens, dim)) if kernels else None
     if blocks is None:
         return stream_stats([a.astype(F32) for a in x], w)
     tm, td = blocks
@@ -154,10 +156,10 @@ def _stats(x, w, *, blocks, interpret):
     return raw, ss[:, 0]
 
 
-def _dh_pre(x, du, *, blocks, interpret):
+def _dh_pre(x, du, *, blocks, interpret, kernels=True):
     """dH_pre [T, n] float32; the slab form in XLA where no tile divides this shard's (T, D)."""
     n, tokens, dim = x.shape
-    blocks = blocks or mix_blocks(tokens, dim)
+    blocks = (blocks or mix_blocks(tokens, dim)) if kernels else None
     if blocks is None:
         return jnp.stack([jnp.sum(a.astype(F32) * du.astype(F32), axis=-1) for a in x], axis=-1)
     tm, td = blocks
@@ -169,11 +171,11 @@ def _dh_pre(x, du, *, blocks, interpret):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(x, du)
 
 
-def _dx(x, dxo, du, scalars, draw, w_t, *, blocks, interpret):
+def _dx(x, dxo, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
     """dX [n, T, D] on grid (column tile, token tile): W's column tile stays put while the tokens walk. The slab
     form in XLA where no tile divides this shard's (T, D)."""
     n, tokens, dim = x.shape
-    blocks = blocks or mix_blocks(tokens, dim)
+    blocks = (blocks or mix_blocks(tokens, dim)) if kernels else None
     coeffs = draw.shape[1]
     if blocks is None:
         du32 = du.astype(F32)
@@ -196,36 +198,41 @@ def _dx(x, dxo, du, scalars, draw, w_t, *, blocks, interpret):
 Coefficients = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
-def _forward(coefficients, x, w, params, blocks, interpret):
-    raw, ss = per_shard(functools.partial(_stats, blocks=blocks, interpret=interpret),
-                        (STREAMS, ("streams", "features", "hc_coeffs")), (("tokens", "hc_coeffs"), ("tokens",)))(x, w)
+def _on_shards(kernels: bool, function, in_names, out_names):
+    """``function`` on each device's token shard (the kernels' tiles are a shard's), or whole (the XLA forms)."""
+    return per_shard(function, in_names, out_names) if kernels else function
+
+
+def _forward(coefficients, x, w, params, blocks, interpret, kernels):
+    raw, ss = _on_shards(kernels, functools.partial(_stats, blocks=blocks, interpret=interpret, kernels=kernels),
+                         (STREAMS, ("streams", "features", "hc_coeffs")), (("tokens", "hc_coeffs"), ("tokens",)))(x, w)
     h_pre, h_post, h_res = coefficients(raw, ss, params)
     u = weighted_sum([a.astype(F32) for a in x], h_pre).astype(x.dtype)
     return (x, u, h_post, h_res), (raw, ss, h_pre)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
-def _collapse(coefficients, x, w, params, blocks, interpret):
-    return _forward(coefficients, x, w, params, blocks, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5, 6))
+def _collapse(coefficients, x, w, params, blocks, interpret, kernels):
+    return _forward(coefficients, x, w, params, blocks, interpret, kernels)[0]
 
 
-def _collapse_fwd(coefficients, x, w, params, blocks, interpret):
-    out, (raw, ss, h_pre) = _forward(coefficients, x, w, params, blocks, interpret)
+def _collapse_fwd(coefficients, x, w, params, blocks, interpret, kernels):
+    out, (raw, ss, h_pre) = _forward(coefficients, x, w, params, blocks, interpret, kernels)
     return out, (x, w, params, raw, ss, h_pre)
 
 
-def _collapse_bwd(coefficients, blocks, interpret, residuals, cotangents):
+def _collapse_bwd(coefficients, blocks, interpret, kernels, residuals, cotangents):
     x, w, params, raw, ss, h_pre = residuals
     dxo, du, dh_post, dh_res = cotangents
     du = du.astype(x.dtype)
-    dh_pre = per_shard(functools.partial(_dh_pre, blocks=blocks, interpret=interpret),
-                       (STREAMS, TOKENS), ("tokens", "streams"))(x, du)
+    dh_pre = _on_shards(kernels, functools.partial(_dh_pre, blocks=blocks, interpret=interpret, kernels=kernels),
+                        (STREAMS, TOKENS), ("tokens", "streams"))(x, du)
     _, pullback = jax.vjp(coefficients, raw, ss, params)
     draw, dss, dparams = pullback((dh_pre, dh_post.astype(F32), dh_res.astype(F32)))
     scalars = jnp.concatenate([h_pre, 2.0 * dss[:, None]], axis=1)
-    dx = per_shard(functools.partial(_dx, blocks=blocks, interpret=interpret),
-                   (STREAMS, STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "hc_coeffs"),
-                    ("streams", "hc_coeffs", "features")), STREAMS)(
+    dx = _on_shards(kernels, functools.partial(_dx, blocks=blocks, interpret=interpret, kernels=kernels),
+                    (STREAMS, STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "hc_coeffs"),
+                     ("streams", "hc_coeffs", "features")), STREAMS)(
         x, dxo.astype(x.dtype), du, scalars, draw, jnp.swapaxes(w, 1, 2))
     dw = jnp.stack([x[j].astype(F32).T @ draw for j in range(x.shape[0])])
     return dx, dw, dparams
@@ -235,7 +242,7 @@ _collapse.defvjp(_collapse_fwd, _collapse_bwd)
 
 
 def collapse_streams(coefficients: Coefficients, x: jax.Array, w: jax.Array, params, *,
-                     blocks: tuple[int, int] | None = None, interpret: bool = False
+                     blocks: tuple[int, int] | None = None, interpret: bool = False, kernels: bool = True
                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(X, u, H_post, H_res) of the module docstring, with the Pallas backward kernels on each device's token
     shard (:func:`nash_mhc.sharding.per_shard`).
@@ -249,4 +256,4 @@ def collapse_streams(coefficients: Coefficients, x: jax.Array, w: jax.Array, par
     if blocks is not None and (tokens % blocks[0] or blocks[0] % 8 or dim % blocks[1]):
         raise ValueError(f"collapse_streams needs tiles that divide (tokens, dim) = ({tokens}, {dim}) with a token "
                          f"tile that is a multiple of 8, got {blocks}")
-    return _collapse(coefficients, x, w, params, blocks, interpret)
+    return _collapse(coefficients, x, w, params, blocks, interpret, kernels)

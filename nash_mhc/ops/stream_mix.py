@@ -17,9 +17,12 @@ accumulating the two coefficient gradients over the D-column tiles of a token ti
 
 Each ``pallas_call`` declares its cost (:func:`kernel_costs`): the multiply-adds above and the HBM bytes of one
 read of every operand and one write of every result (a coefficient tile's index does not change along the inner
-axis, so Pallas fetches and writes it once per token tile). Used on TPU only (:func:`nash_mhc.layers.
+axis, so Pallas fetches and writes it once per token tile). The kernels run on TPU only (:func:`nash_mhc.layers.
 hyperconnection.HyperConnection.streams_major` dispatches with ``jax.lax.platform_dependent``); ``interpret=True``
-runs the kernels in Pallas' interpreter (CPU tests).
+runs them in Pallas' interpreter (CPU tests). Elsewhere ``kernels=False`` computes the same sums and the same
+backward rule in XLA over the n slabs: JAX's autodiff of the slab form padded each stream's gradient to
+[n, T, D] and added the n pads, and on the CPU those pads were the largest item of the mix
+(``benchmarks/cpu_profile.py --residual mhc``).
 """
 
 from __future__ import annotations
@@ -125,6 +128,27 @@ def _backward_kernel(x_ref, y_ref, res_ref, post_ref, g_ref, dx_ref, dy_ref, dre
     dpost_ref[...] += dpost
 
 
+# ------------------------------------------------------------------------------------------ XLA forms
+def mix_slabs(x, y, res, post):
+    """The forward kernel's sums over the n [T, D] slabs in XLA (the CPU's and GPU's form): res [T, n·n]."""
+    n = x.shape[0]
+    xs, y = [a.astype(F32) for a in x], y.astype(F32)
+    out = [sum(res[:, i * n + j, None] * xs[j] for j in range(n)) + post[:, i, None] * y for i in range(n)]
+    return jnp.stack(out).astype(x.dtype)
+
+
+def _backward_slabs(x, y, res, post, g):
+    """The backward kernel's sums in XLA: dx stacked once (autodiff of the slab form instead pads every stream's
+    gradient to [n, T, D] and adds the n pads)."""
+    n = x.shape[0]
+    xs, gs, y32 = [a.astype(F32) for a in x], [a.astype(F32) for a in g], y.astype(F32)
+    dx = jnp.stack([sum(res[:, i * n + j, None] * gs[i] for i in range(n)) for j in range(n)]).astype(x.dtype)
+    dy = sum(post[:, i, None] * gs[i] for i in range(n)).astype(y.dtype)
+    dres = jnp.stack([jnp.sum(gs[i] * xs[j], axis=-1) for i in range(n) for j in range(n)], axis=-1)
+    dpost = jnp.stack([jnp.sum(gs[i] * y32, axis=-1) for i in range(n)], axis=-1)
+    return dx, dy, dres, dpost
+
+
 # ------------------------------------------------------------------------------------------ pallas calls
 def _specs(n: int, tm: int, td: int) -> tuple[pl.BlockSpec, pl.BlockSpec, pl.BlockSpec, pl.BlockSpec]:
     """Block specs of x-like [n, T, D], y-like [T, D], h_res [T, n·n] and h_post [T, n] on grid (token, column)."""
@@ -138,6 +162,8 @@ def _params(interpret: bool, inner: str) -> dict:
 
 
 def _forward(x, y, res, post, blocks, interpret):
+    if blocks is None:
+        return mix_slabs(x, y, res, post)
     n, tokens, dim = x.shape
     tm, td = blocks
     stream, slab, res_spec, post_spec = _specs(n, tm, td)
@@ -149,6 +175,8 @@ def _forward(x, y, res, post, blocks, interpret):
 
 
 def _backward(x, y, res, post, g, blocks, interpret):
+    if blocks is None:
+        return _backward_slabs(x, y, res, post, g)
     n, tokens, dim = x.shape
     tm, td = blocks
     stream, slab, res_spec, post_spec = _specs(n, tm, td)
@@ -179,16 +207,19 @@ _mix.defvjp(_mix_fwd, _mix_bwd)
 
 
 def stream_mix(x: jax.Array, y: jax.Array, h_res: jax.Array, h_post: jax.Array, *,
-               blocks: tuple[int, int] | None = None, interpret: bool = False) -> jax.Array:
+               blocks: tuple[int, int] | None = None, interpret: bool = False, kernels: bool = True) -> jax.Array:
     """H_res X + H_post (x) y by the Pallas kernels: x [n, T, D] (any float dtype), y [T, D], h_res [T, n, n] and
     h_post [T, n] (float32) → [n, T, D] in x's dtype, computed in float32.
 
     ``blocks``: (token tile, column tile), default :func:`mix_blocks`; ValueError when they do not divide
-    (T, D) or the token tile is not a multiple of 8."""
+    (T, D) or the token tile is not a multiple of 8. ``kernels=False``: the same sums and the same backward
+    rule in XLA over the n slabs (any T, D; ``blocks`` ignored), the CPU's and GPU's form."""
     n, tokens, dim = x.shape
+    res = h_res.astype(F32).reshape(tokens, n * n)
+    if not kernels:
+        return _mix(x, y, res, h_post.astype(F32), None, interpret)
     blocks = mix_blocks(tokens, dim) if blocks is None else blocks
     if blocks is None or tokens % blocks[0] or blocks[0] % 8 or dim % blocks[1]:
         raise ValueError(f"stream_mix needs tiles that divide (tokens, dim) = ({tokens}, {dim}) with a token tile "
                          f"that is a multiple of 8, got {blocks}")
-    res = h_res.astype(F32).reshape(tokens, n * n)
     return _mix(x, y, res, h_post.astype(F32), blocks, interpret)
