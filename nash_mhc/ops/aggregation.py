@@ -247,11 +247,12 @@ def _solve_positions(gram: jax.Array, prior: jax.Array, temperature: jax.Array, 
     bounds |w - BR(w)|, not log(w_l / w_m), and a small weight's log-odds can still be 4e-4 off at it."""
     tol = TOLERANCE.get(jnp.dtype(gram.dtype), 1e-6)
 
-    def residual_of(z: jax.Array) -> jax.Array:
-        return jnp.where(available, z - _best_logits(z, gram, prior, temperature, available)[0], z)
-
-    def settled(z: jax.Array) -> jax.Array:  # NaN counts as settled: more steps cannot mend it
-        return ~(_residual(z, gram, prior, temperature, available) > tol)
+    def residual_of(z: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(z - T(z) on the available scales (z elsewhere), whether w = softmax(z) is within the tolerance:
+        max_l |w - BR(w)| <= tol; NaN counts as within, more steps cannot mend it)."""
+        logits, w = _best_logits(z, gram, prior, temperature, available)
+        within = ~(jnp.max(jnp.abs(masked_softmax(logits, available) - w), axis=-1) > tol)
+        return jnp.where(available, z - logits, z), within
 
     Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
@@ -260,19 +261,21 @@ def _solve_positions(gram: jax.Array, prior: jax.Array, temperature: jax.Array, 
         w = masked_softmax(z, available)
         newton = z - solve_small(_newton_matrix(w, gram, temperature, available), r)
         plain = z - r
-        r_newton, r_plain = residual_of(newton), residual_of(plain)
+        (r_newton, within_newton), (r_plain, within_plain) = residual_of(newton), residual_of(plain)
         better = jnp.max(jnp.abs(r_newton), -1, keepdims=True) <= jnp.max(jnp.abs(r_plain), -1, keepdims=True)
         better &= jnp.all(jnp.isfinite(newton), -1, keepdims=True)
+        # a done position keeps its z; its next ``within`` is never read (done stays done)
         z = jnp.where(done[..., None], z, jnp.where(better, newton, plain))
         r = jnp.where(done[..., None], r, jnp.where(better, r_newton, r_plain))
-        return z, r, settled(z), done | within, i + 1  # within tolerance at the step's start: done after it
+        within_next = jnp.where(better[..., 0], within_newton, within_plain)
+        return z, r, within_next, done | within, i + 1  # within tolerance at the step's start: done after it
 
     def unconverged(carry: Carry) -> jax.Array:
         _, _, _, done, i = carry
         return (i < max_iters) & ~jnp.all(done)
 
     z0 = jnp.where(available, prior, 0.0)
-    start = (z0, residual_of(z0), settled(z0), jnp.zeros(z0.shape[:-1], bool), jnp.asarray(0))
+    start = (z0, *residual_of(z0), jnp.zeros(z0.shape[:-1], bool), jnp.asarray(0))
     z, _, _, _, _ = jax.lax.while_loop(unconverged, step, start)
     return masked_softmax(z, available), _residual(z, gram, prior, temperature, available), z
 
