@@ -214,7 +214,11 @@ def _matvec(matrix: jax.Array, vector: jax.Array) -> jax.Array:
 def _residual(z: jax.Array, gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array
               ) -> jax.Array:
     """max_l |w - BR(w)| per position at w = softmax(z)."""
-    logits, w = _best_logits(z, gram, prior, temperature, available)
+    return _distance_to_best_response(*_best_logits(z, gram, prior, temperature, available), available)
+
+
+def _distance_to_best_response(logits: jax.Array, w: jax.Array, available: jax.Array) -> jax.Array:
+    """max_l |w - BR(w)| per position, from the best-response logits T(z) and w = softmax(z)."""
     return jnp.max(jnp.abs(masked_softmax(logits, available) - w), axis=-1)
 
 
@@ -251,7 +255,7 @@ def _solve_positions(gram: jax.Array, prior: jax.Array, temperature: jax.Array, 
         """(z - T(z) on the available scales (z elsewhere), whether w = softmax(z) is within the tolerance:
         max_l |w - BR(w)| <= tol; NaN counts as within, more steps cannot mend it)."""
         logits, w = _best_logits(z, gram, prior, temperature, available)
-        within = ~(jnp.max(jnp.abs(masked_softmax(logits, available) - w), axis=-1) > tol)
+        within = ~(_distance_to_best_response(logits, w, available) > tol)
         return jnp.where(available, z - logits, z), within
 
     Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]

@@ -136,12 +136,18 @@ def weighted_sum(slabs: list[jax.Array], h: jax.Array) -> jax.Array:
     return sum(h[:, j, None] * s for j, s in enumerate(slabs))
 
 
+def _tiles(blocks: tuple[int, int] | None, tokens: int, dim: int, kernels: bool) -> tuple[int, int] | None:
+    """The tiles a kernel runs on: ``blocks``, else :func:`mix_blocks` of this shard's (T, D); None (the slab form
+    in XLA) where none divides or ``kernels`` is False."""
+    return (blocks or mix_blocks(tokens, dim)) if kernels else None
+
+
 def _stats(x, w, *, blocks, interpret, kernels=True):
     """(raw = sum_j X_j W_j [T, C], ss = sum_j sum_d X_j² [T]) float32; the slab form in XLA where no tile divides
     this shard's (T, D)."""
     n, tokens, dim = x.shape
     coeffs = w.shape[2]
-    blocks = (blocks or mix_blocks(tokens, dim)) if kernels else None
+    blocks = _tiles(blocks, tokens, dim, kernels)
     if blocks is None:
         return stream_stats([a.astype(F32) for a in x], w)
     tm, td = blocks
@@ -159,7 +165,7 @@ def _stats(x, w, *, blocks, interpret, kernels=True):
 def _dh_pre(x, du, *, blocks, interpret, kernels=True):
     """dH_pre [T, n] float32; the slab form in XLA where no tile divides this shard's (T, D)."""
     n, tokens, dim = x.shape
-    blocks = (blocks or mix_blocks(tokens, dim)) if kernels else None
+    blocks = _tiles(blocks, tokens, dim, kernels)
     if blocks is None:
         return jnp.stack([jnp.sum(a.astype(F32) * du.astype(F32), axis=-1) for a in x], axis=-1)
     tm, td = blocks
@@ -175,7 +181,7 @@ def _dx(x, dxo, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
     """dX [n, T, D] on grid (column tile, token tile): W's column tile stays put while the tokens walk. The slab
     form in XLA where no tile divides this shard's (T, D)."""
     n, tokens, dim = x.shape
-    blocks = (blocks or mix_blocks(tokens, dim)) if kernels else None
+    blocks = _tiles(blocks, tokens, dim, kernels)
     coeffs = draw.shape[1]
     if blocks is None:
         du32 = du.astype(F32)

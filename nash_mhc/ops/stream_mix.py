@@ -129,7 +129,7 @@ def _backward_kernel(x_ref, y_ref, res_ref, post_ref, g_ref, dx_ref, dy_ref, dre
 
 
 # ------------------------------------------------------------------------------------------ XLA forms
-def mix_slabs(x, y, res, post):
+def _mix_slabs(x, y, res, post):
     """The forward kernel's sums over the n [T, D] slabs in XLA (the CPU's and GPU's form): res [T, n·n]."""
     n = x.shape[0]
     xs, y = [a.astype(F32) for a in x], y.astype(F32)
@@ -163,7 +163,7 @@ def _params(interpret: bool, inner: str) -> dict:
 
 def _forward(x, y, res, post, blocks, interpret):
     if blocks is None:
-        return mix_slabs(x, y, res, post)
+        return _mix_slabs(x, y, res, post)
     n, tokens, dim = x.shape
     tm, td = blocks
     stream, slab, res_spec, post_spec = _specs(n, tm, td)
