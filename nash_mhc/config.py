@@ -96,6 +96,10 @@ class ModelConfig(ConfigMethods):
     remat: str = setting("none", "rematerialisation policy of the layer scan", choices=REMAT_POLICIES)
     remat_group: int = setting(1, "with --remat: layers per rematerialised group; the layer scan keeps only each "
                                   "group's input for the backward pass (must divide num_layers)")
+    scan_unroll: int = setting(1, "layers per iteration of the layer scan (lax.scan's unroll; with --remat-group, "
+                                  "groups): fewer loop iterations and no stacking of the saved activations "
+                                  "between the unrolled layers; >= num_layers runs them unrolled. Faster CPU steps "
+                                  "at a few layers; compile time grows with it")
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         # Compiles in seconds on a laptop CPU; used by the test-suite.
@@ -103,7 +107,7 @@ class ModelConfig(ConfigMethods):
                      num_scales=3, compression_ratio=2),
         # `--use-small-model`: trains visibly on a 2-core CPU in minutes.
         "small": dict(vocab_size=259, seq_len=256, d_model=256, num_layers=4, num_heads=4, num_streams=4,
-                      num_scales=3, compression_ratio=4),
+                      num_scales=3, compression_ratio=4, scan_unroll=4),
         "base": dict(vocab_size=49152, seq_len=1024, d_model=768, num_layers=12, num_heads=12,
                      num_streams=4, num_scales=3, compression_ratio=4),
         "medium": dict(vocab_size=49152, seq_len=1024, d_model=1024, num_layers=24, num_heads=16,
@@ -120,7 +124,7 @@ class ModelConfig(ConfigMethods):
             raise ValueError(f"ModelConfig: {msg}")
 
         for name in ("vocab_size", "seq_len", "d_model", "num_layers", "num_heads", "num_streams",
-                     "num_scales", "sinkhorn_iters"):
+                     "num_scales", "sinkhorn_iters", "scan_unroll"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 fail(f"{name} must be a positive integer, got {value!r}")

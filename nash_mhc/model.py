@@ -32,7 +32,7 @@ REMAT_POLICIES = {
 }
 
 
-def grouped_scan(layer: Any, x: jax.Array, params: Any, group: int) -> tuple[jax.Array, Any]:
+def grouped_scan(layer: Any, x: jax.Array, params: Any, group: int, unroll: int = 1) -> tuple[jax.Array, Any]:
     """``lax.scan(layer, x, params)`` as a scan over groups of ``group`` layers, each group rematerialised
     whole: the backward pass keeps the input of every group (num_layers / group states) and, while it runs
     through one group, that group's layer inputs (``group`` states). Two nested scans: compile time stays flat
@@ -41,7 +41,8 @@ def grouped_scan(layer: Any, x: jax.Array, params: Any, group: int) -> tuple[jax
     A group is its first ``group - 1`` layers scanned, then its last layer on its own: the backward pass reruns
     a group's forward only for the layer inputs it needs, and the last layer's output is not one of them. Left
     inside the inner scan, the last layer ran anyway (a scan computes every iteration), one layer forward per
-    group and step for nothing (seen in tests/test_estimate.py's unrolled compile, which dropped it)."""
+    group and step for nothing (seen in tests/test_estimate.py's unrolled compile, which dropped it).
+    ``unroll``: groups per iteration of the scan over groups."""
     def regroup(a: jax.Array) -> jax.Array:
         return rearrange(a, "(groups group) ... -> groups group ...", group=group)
 
@@ -51,7 +52,7 @@ def grouped_scan(layer: Any, x: jax.Array, params: Any, group: int) -> tuple[jax
         x, last = layer(x, jax.tree.map(lambda a: a[-1], group_params))
         return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, last)
 
-    x, ys = jax.lax.scan(run_group, x, jax.tree.map(regroup, params))
+    x, ys = jax.lax.scan(run_group, x, jax.tree.map(regroup, params), unroll=unroll)
     return x, jax.tree.map(lambda a: rearrange(a, "groups group ... -> (groups group) ..."), ys)
 
 
@@ -293,9 +294,9 @@ class LanguageModel(eqx.Module):
         if c.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[c.remat])
         if c.remat != "none" and c.remat_group > 1:
-            x, ys = grouped_scan(layer, x, params, c.remat_group)
+            x, ys = grouped_scan(layer, x, params, c.remat_group, c.scan_unroll)
         else:
-            x, ys = jax.lax.scan(layer, x, params)
+            x, ys = jax.lax.scan(layer, x, params, unroll=c.scan_unroll)
         entropy, weights, residual, diag = ys[:4]  # [layers, B, T], [layers, B, L], [layers, B], [layers, B]
         h = self.collapse(x, streams_axis=0)  # [B, T, D]
         maps = None

@@ -120,7 +120,7 @@ def test_flops_per_token_agrees_with_xla_cost_analysis(residual, attention):
     out; so XLA's per-layer count must lie in [1, 1.08] × the formula. The head runs over the padded
     vocabulary while model FLOPs count the real one: XLA's head must lie in [1, 1.03] × formula · V_pad / V.
     """
-    config = ModelConfig.preset("small", residual=residual, attention=attention)
+    config = ModelConfig.preset("small", residual=residual, attention=attention, scan_unroll=1)  # a real scan
     tokens = 2 * config.seq_len
     forward, head = forward_and_head_flops(config)
     assert forward == forward_and_head_flops(config.replace(num_layers=1))[0]  # the scan body counted once

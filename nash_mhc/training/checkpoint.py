@@ -65,7 +65,7 @@ def with_arrays(template: PyTree, arrays: dict[str, Any]) -> PyTree:
 def config_differences(saved: dict[str, Any], current: ModelConfig) -> list[str]:
     """Names of the architecture fields whose values differ, and of saved fields this version does not have
     (runtime-only fields are ignored)."""
-    runtime = {"remat", "remat_group"}
+    runtime = {"remat", "remat_group", "scan_unroll"}
     now = dataclasses.asdict(current)
     changed = [k for k in now if k not in runtime and k in saved and saved[k] != now[k]]
     return sorted(changed + [k for k in saved if k not in now])
