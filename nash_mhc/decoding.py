@@ -121,7 +121,7 @@ def _attention_step(attn: MultiscaleAttention, x: Float[Array, "1 dim"], cache: 
     length = cache.keys.shape[-2]
     v = attn.values(x)
     heads, head_dim = v.shape[1:]
-    q, k = attn.queries_keys(0, x, position[None])
+    q, k = attn.queries_keys(0, x, position[None], length)
     keys = _write(cache.keys, k[0], layer, position, axis=2)
     values = _write(cache.values, v[0], layer, position, axis=2)
     layer_values = values[layer]
@@ -151,8 +151,8 @@ def _attention_step(attn: MultiscaleAttention, x: Float[Array, "1 dim"], cache: 
         v_block = _seq_major(jax.lax.dynamic_slice_in_dim(layer_values, start, block, axis=1)).reshape(block, dim)
         x_l = attn.coarse_input(level, x_block)
         v_l = downsample(v_block, attn.down[level - 1].astype(dt)).reshape(1, heads, head_dim)
-        q_l, k_l = attn.queries_keys(level, x_l, last[None])
         old_k, old_v = cache.coarse_keys[level - 1], cache.coarse_values[level - 1]
+        q_l, k_l = attn.queries_keys(level, x_l, last[None], old_k.shape[-2])
         new_k = _write(old_k, jnp.where(complete, k_l[0], old_k[layer, :, last]), layer, last, axis=2)
         new_v = _write(old_v, jnp.where(complete, v_l[0], old_v[layer, :, last]), layer, last, axis=2)
         o_l = masked_attention(q_l, _seq_major(new_k[layer]), _seq_major(new_v[layer]),

@@ -92,6 +92,18 @@ def test_rope_depends_on_relative_position_times_spacing():
     np.testing.assert_allclose(norms, jnp.broadcast_to(jnp.linalg.norm(q, axis=-1), (seq, 2)), rtol=1e-5)
 
 
+def test_rope_at_given_positions_is_the_whole_sequence_s_row_bit_for_bit():
+    """Decoding rotates a token at its index into the same constant tables a whole sequence uses: equal bits
+    (the invariant cached == full decoding rests on); positions without the table size are refused."""
+    x = jax.random.normal(jax.random.key(8), (2, 10, 3, 16))
+    whole = jax.jit(lambda x: rope(x, spacing=4))(x)
+    at = jax.jit(lambda x, p: rope(x, spacing=4, positions=p, num_positions=10))
+    for p in (0, 3, 9):
+        np.testing.assert_array_equal(np.asarray(at(x[:, p:p + 1], jnp.asarray([p]))), np.asarray(whole[:, p:p + 1]))
+    with pytest.raises(ValueError, match="num_positions"):
+        rope(x, positions=jnp.arange(10))
+
+
 @pytest.mark.slow
 def test_causal_block_skipping_equals_the_full_masked_matrix():
     """causal_attention scores query chunk c only against keys up to its end; the result must be the

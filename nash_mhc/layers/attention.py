@@ -83,15 +83,17 @@ class MultiscaleAttention(eqx.Module):
         """Shared value projection V = x W_v (x already in the compute dtype)."""
         return constrain_batch(jnp.einsum("...d,dhk->...hk", x, self.wv.astype(jnp.dtype(self.dtype))))
 
-    def queries_keys(self, level: int, x: Float[Array, "*batch seq dim"], positions: Int[Array, "seq"] | None = None
+    def queries_keys(self, level: int, x: Float[Array, "*batch seq dim"], positions: Int[Array, "seq"] | None = None,
+                     num_positions: int | None = None
                      ) -> tuple[Float[Array, "*batch seq heads head_dim"], Float[Array, "*batch seq heads head_dim"]]:
-        """RoPE'd queries and keys of scale ``level`` for (coarse) tokens at ``positions`` (default 0..seq-1)."""
+        """RoPE'd queries and keys of scale ``level`` for (coarse) tokens at ``positions`` (default 0..seq-1;
+        given, every one below ``num_positions``: :func:`nash_mhc.ops.rope.rope`)."""
         dt = jnp.dtype(self.dtype)
         spacing = self.block_sizes[level]
         q = constrain_batch(jnp.einsum("...d,dhk->...hk", x, self.wq[level].astype(dt)))
         k = constrain_batch(jnp.einsum("...d,dhk->...hk", x, self.wk[level].astype(dt)))
-        q = rope(q, spacing=spacing, theta=self.rope_theta, positions=positions)
-        k = rope(k, spacing=spacing, theta=self.rope_theta, positions=positions)
+        q = rope(q, spacing=spacing, theta=self.rope_theta, positions=positions, num_positions=num_positions)
+        k = rope(k, spacing=spacing, theta=self.rope_theta, positions=positions, num_positions=num_positions)
         return q, k
 
     def coarse_input(self, level: int, x: Float[Array, "*batch seq dim"]) -> Float[Array, "*batch blocks dim"]:

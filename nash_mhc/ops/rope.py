@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,18 +13,26 @@ from jaxtyping import Array, Float, Int, jaxtyped
 
 @jaxtyped(typechecker=beartype)
 def rope(x: Float[Array, "*batch seq heads head_dim"], *, spacing: int = 1, theta: float = 10000.0,
-         positions: Int[Array, "seq"] | None = None) -> Float[Array, "*batch seq heads head_dim"]:
+         positions: Int[Array, "seq"] | None = None, num_positions: int | None = None
+         ) -> Float[Array, "*batch seq heads head_dim"]:
     """Rotate (rotate-half convention) token j as if it sat at position ``positions[j] * spacing``.
 
     ``positions`` defaults to ``0..seq-1`` (a whole sequence); incremental decoding passes the index of the
-    token(s) it holds. Coarse tokens at scale l use ``spacing = s_l`` (and coarse indices as positions) so
-    their relative angles match fine-token distances. Leading batch axes share the positions. Angles and
-    products are float32; the result has the input dtype. On TPU, 16-bit inputs take :func:`rotate_tpu` (the
-    same numbers, forward and backward).
+    token(s) it holds, with ``num_positions`` > every index (the size of the angle table they index; ValueError
+    without it). Coarse tokens at scale l use ``spacing = s_l`` (and coarse indices as positions) so their
+    relative angles match fine-token distances. Leading batch axes share the positions. The angle tables are
+    constants of the program (:func:`angle_tables`), so a position gets the same cosine and sine in a whole
+    sequence and in decoding; products are float32; the result has the input dtype. On TPU, 16-bit inputs take
+    :func:`rotate_tpu` (the same numbers, forward and backward).
     """
     seq, _, head_dim = x.shape[-3:]
     half = head_dim // 2
-    cos, sin = angle_tables(seq, half, spacing, theta, positions)
+    if positions is None:
+        cos, sin = map(jnp.asarray, angle_tables(seq, half, spacing, theta))
+    elif num_positions is None:
+        raise ValueError("rope: positions need num_positions, the size of the angle table they index")
+    else:
+        cos, sin = (jnp.asarray(table)[positions] for table in angle_tables(num_positions, half, spacing, theta))
 
     def halves(x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
@@ -35,14 +45,20 @@ def rope(x: Float[Array, "*batch seq heads head_dim"], *, spacing: int = 1, thet
     return jax.lax.platform_dependent(x, tpu=lambda x: rotate_tpu(x, full_cos, signed_sin), default=halves)
 
 
-def angle_tables(seq: int, half: int, spacing: int, theta: float, positions: jax.Array | None
-                 ) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) [seq, 1, half] float32 of the angles (positions · spacing) · θ^(−i/half), i = 0..half−1
-    (positions default to 0..seq−1)."""
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    index = jnp.arange(seq, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
-    angles = (index * spacing)[:, None] * freqs[None, :]
-    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+@functools.lru_cache(maxsize=64)
+def angle_tables(count: int, half: int, spacing: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) [count, 1, half] float32 of the angles (p · spacing) · θ^(−i/half), p = 0..count−1,
+    i = 0..half−1: computed in float64 NumPy when the program is traced, rounded once.
+
+    Constants, not XLA operations: computed in the program, the CPU backend fused the cosine and sine into
+    every rotation and evaluated them once per element of x (a [B, T, H, K] rotation computed B·H times the
+    table's transcendentals, in the forward and the backward pass)."""
+    freqs = float(theta) ** (-np.arange(half, dtype=np.float64) / half)
+    angles = (np.arange(count, dtype=np.float64) * spacing)[:, None] * freqs[None, :]
+    tables = tuple(np.asarray(f(angles), np.float32)[:, None, :] for f in (np.cos, np.sin))
+    for table in tables:
+        table.setflags(write=False)  # shared by the cache
+    return tables
 
 
 @jax.custom_vjp
