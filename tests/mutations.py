@@ -80,6 +80,12 @@ MUTATIONS = {
     "H_post = sigma": ("nash_mhc/layers/hyperconnection.py",
                        [("h_post = 2.0 * jax.nn.sigmoid", "h_post = 1.0 * jax.nn.sigmoid")],
                        [REFERENCE, "tests/test_golden.py"]),
+    "RoPE tables from float32 angles": ("nash_mhc/ops/rope.py",
+                                        [("angles = (np.arange(count, dtype=np.float64) * spacing)[:, None] * "
+                                          "freqs[None, :]",
+                                          "angles = ((np.arange(count, dtype=np.float32) * spacing)[:, None] * "
+                                          "freqs[None, :].astype(np.float32)).astype(np.float32)")],
+                                        [REFERENCE]),
     "RoPE spacing 1 at every scale": ("nash_mhc/layers/attention.py",
                                       [("spacing = self.block_sizes[level]", "spacing = 1")],
                                       [REFERENCE, "tests/test_golden.py"]),

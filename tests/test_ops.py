@@ -92,7 +92,7 @@ def test_rope_depends_on_relative_position_times_spacing():
     np.testing.assert_allclose(norms, jnp.broadcast_to(jnp.linalg.norm(q, axis=-1), (seq, 2)), rtol=1e-5)
 
 
-def test_rope_at_given_positions_is_the_whole_sequence_s_row_bit_for_bit():
+def test_rope_at_given_positions_equals_the_whole_sequence_bit_for_bit():
     """Decoding rotates a token at its index into the same constant tables a whole sequence uses: equal bits
     (the invariant cached == full decoding rests on); positions without the table size are refused."""
     x = jax.random.normal(jax.random.key(8), (2, 10, 3, 16))
