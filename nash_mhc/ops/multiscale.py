@@ -35,7 +35,12 @@ def downsample(x: Float[Array, "*batch seq dim"], weights: Float[Array, "block d
     weights = weights.astype(x.dtype)
 
     def xla(x: jax.Array, weights: jax.Array) -> jax.Array:
-        return jnp.einsum("...bod,od->...bd", x.reshape(*batch, blocks, block, dim), weights)
+        # A reduction over the block's offsets, products and sum in float32 (float64 for float64 x). The einsum
+        # "...bod,od->...bd" is a matmul batched over D: XLA CPU transposed x to D-major for it and for each of its
+        # gradients, 4-7 x the time of this form's forward + backward (benchmarks/README.md).
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        blocked = x.reshape(*batch, blocks, block, dim).astype(wide)
+        return jnp.sum(blocked * weights.astype(wide), axis=-2).astype(x.dtype)
 
     if not _chunked(blocks * block, block):
         return xla(x, weights)
@@ -52,7 +57,7 @@ def _downsample_chunked(x: jax.Array, weights: jax.Array) -> jax.Array:
     exact) groups the positions by their offset o in the block, so the weighted sum over o adds whole slabs.
 
     Summing over o in place reduces across the (8, 128) tile's sublanes, which the TPU compiler costs at ~12x the
-    array's bandwidth time (docs/tpu.md). Products and sum in float32, like the einsum's.
+    array's bandwidth time (docs/tpu.md). Products and sum in float32, like the XLA form's.
     """
     *batch, seq, dim = x.shape
     block = weights.shape[0]
