@@ -157,10 +157,39 @@ def solve_small(matrix: jax.Array, rhs: jax.Array) -> jax.Array:
     transposed for the solver, about 150 times the elementwise cost (the compiler's estimate, docs/tpu.md).
     Linear in ``rhs``, so reverse mode transposes it like any elementwise program."""
     size = matrix.shape[-1]
-    if size > 6:
-        return jnp.linalg.solve(matrix, rhs[..., None])[..., 0]
     rows = [[matrix[..., i, j] for j in range(size)] for i in range(size)]
-    right = [rhs[..., i] for i in range(size)]
+    return jnp.stack(_solve_entries(rows, _entries(rhs)), axis=-1)
+
+
+# The game's per-position math on entries: a vector [..., L] as L arrays [...], a matrix [..., L, L] as an L x L
+# nested list of them. Every operation is elementwise over the positions, so the Newton loop has no reduction or
+# stack over the scales axis: XLA fuses an iteration into a few loops (on CPU each reduction over L = 3 and each
+# stack was its own thunk, about 60 per iteration), and on a TPU the positions stay in the vector lanes.
+Entries = list[jax.Array]
+
+
+def _entries(vector: jax.Array) -> Entries:
+    """[..., L] → L arrays [...]."""
+    return [vector[..., k] for k in range(vector.shape[-1])]
+
+
+def _matrix_entries(matrix: jax.Array) -> list[Entries]:
+    """[..., L, L] → L x L nested list of arrays [...]."""
+    return [_entries(matrix[..., i, :]) for i in range(matrix.shape[-1])]
+
+
+def _largest(values: Entries) -> jax.Array:
+    """Elementwise max over the entries (NaN propagates, as in ``jnp.max``)."""
+    return functools.reduce(jnp.maximum, values)
+
+
+def _solve_entries(rows: list[Entries], right: Entries) -> Entries:
+    """:func:`solve_small` on entries."""
+    size = len(right)
+    if size > 6:
+        matrix = jnp.stack([jnp.stack(row, axis=-1) for row in rows], axis=-2)
+        return _entries(jnp.linalg.solve(matrix, jnp.stack(right, axis=-1)[..., None])[..., 0])
+    rows, right = [list(row) for row in rows], list(right)
     for k in range(size):
         for i in range(k + 1, size):  # bring the largest |entry| of column k (rows k..) to row k
             swap = jnp.abs(rows[i][k]) > jnp.abs(rows[k][k])
@@ -171,55 +200,72 @@ def solve_small(matrix: jax.Array, rhs: jax.Array) -> jax.Array:
             factor = rows[i][k] / rows[k][k]
             rows[i] = [rows[i][j] - factor * rows[k][j] for j in range(size)]
             right[i] = right[i] - factor * right[k]
-    solution: list[jax.Array] = [jnp.zeros_like(right[0])] * size
+    solution: Entries = [jnp.zeros_like(right[0])] * size
     for i in reversed(range(size)):
         known = sum((rows[i][j] * solution[j] for j in range(i + 1, size)), jnp.zeros_like(right[i]))
         solution[i] = (right[i] - known) / rows[i][i]
-    return jnp.stack(solution, axis=-1)
+    return solution
+
+
+def _softmax_entries(logits: Entries, available: Entries) -> Entries:
+    """:func:`masked_softmax` on entries."""
+    logits = [jnp.where(a, x, -jnp.inf) for x, a in zip(logits, available, strict=True)]
+    peak = _largest(logits)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    unnorm = [jnp.where(a, jnp.exp(x - peak), 0.0) for x, a in zip(logits, available, strict=True)]
+    total = sum(unnorm)
+    return [u / jnp.where(total > 0, total, 1.0) for u in unnorm]
+
+
+def _matvec(matrix: list[Entries], vector: Entries) -> Entries:
+    """``matrix`` times ``vector`` as L x L elementwise multiply-adds over the positions (a batched matmul of
+    L x L matrices would pad each to a TPU tile)."""
+    return [sum(m * v for m, v in zip(row, vector, strict=True)) for row in matrix]
+
+
+def _best_response(z: Entries, gram: list[Entries], prior: Entries, temperature: jax.Array, available: Entries
+                   ) -> tuple[Entries, Entries]:
+    """(T(z), w): the best-response logits b - e(w) / tau_t at w = softmax(z) (0 on unavailable scales)."""
+    w = _softmax_entries(z, available)
+    cw = _matvec(gram, w)
+    spread = sum(a * b for a, b in zip(w, cw, strict=True))
+    return [jnp.where(available[k], prior[k] - (gram[k][k] - 2.0 * cw[k] + spread) / temperature, 0.0)
+            for k in range(len(z))], w
+
+
+def _newton_entries(w: Entries, gram: list[Entries], temperature: jax.Array, available: Entries) -> list[Entries]:
+    """I - dT/dz at weights w: I - (2 / tau_t) (C - 1 (C w)^T) Sigma_w on the available rows (identity rows on
+    the others, whose residual is z itself)."""
+    size = len(w)
+    cw = _matvec(gram, w)
+    scale = 2.0 / temperature
+    rows = []
+    for i in range(size):
+        left = [gram[i][k] - cw[k] for k in range(size)]  # row i of C - 1 (C w)^T
+        # (left Sigma_w)[i, m] = left[i, m] w_m - (sum_k left[i, k] w_k) w_m, Sigma_w = diag(w) - w w^T
+        weighted = sum(left[k] * w[k] for k in range(size))
+        rows.append([float(i == m) - jnp.where(available[i], scale * ((left[m] - weighted) * w[m]), 0.0)
+                     for m in range(size)])
+    return rows
+
+
+def _distance(logits: Entries, w: Entries, available: Entries) -> jax.Array:
+    """max_l |w - BR(w)| per position, from the best-response logits T(z) and w = softmax(z)."""
+    return _largest([jnp.abs(b - a) for b, a in zip(_softmax_entries(logits, available), w, strict=True)])
 
 
 def _best_logits(z: jax.Array, gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
-    """(T(z), w): the best-response logits b - e(w) / tau_t at w = softmax(z) (0 on unavailable scales)."""
-    w = masked_softmax(z, available)
-    cw = _matvec(gram, w)
-    err = jnp.diagonal(gram, axis1=-2, axis2=-1) - 2.0 * cw + jnp.sum(w * cw, axis=-1, keepdims=True)
-    return jnp.where(available, prior - err / temperature[..., None], 0.0), w
+    """:func:`_best_response` on arrays [..., L] (gram [..., L, L]): (T(z), w)."""
+    logits, w = _best_response(_entries(z), _matrix_entries(gram), _entries(prior), temperature,
+                               _entries(available))
+    return jnp.stack(logits, axis=-1), jnp.stack(w, axis=-1)
 
 
 def _newton_matrix(w: jax.Array, gram: jax.Array, temperature: jax.Array, available: jax.Array) -> jax.Array:
-    """I - dT/dz at weights w: I - (2 / tau_t) (C - 1 (C w)^T) Sigma_w on the available rows (identity rows on
-    the others, whose residual is z itself)."""
-    size = w.shape[-1]
-    cw = _matvec(gram, w)
-    ws = [w[..., k] for k in range(size)]
-    left = [[gram[..., i, k] - cw[..., k] for k in range(size)] for i in range(size)]  # C - 1 (C w)^T
-    # (left Sigma_w)[i, m] = left[i, m] w_m - (sum_k left[i, k] w_k) w_m, Sigma_w = diag(w) - w w^T
-    rows = []
-    for i in range(size):
-        weighted = sum(left[i][k] * ws[k] for k in range(size))
-        rows.append(jnp.stack([(left[i][m] - weighted) * ws[m] for m in range(size)], axis=-1))
-    jac = 2.0 / temperature[..., None, None] * jnp.stack(rows, axis=-2)
-    jac = jnp.where(available[..., :, None], jac, 0.0)
-    return jnp.eye(size, dtype=w.dtype) - jac
-
-
-def _matvec(matrix: jax.Array, vector: jax.Array) -> jax.Array:
-    """``matrix`` [..., L, L] times ``vector`` [..., L] as L x L elementwise multiply-adds over the positions (a
-    batched matmul of L x L matrices would pad each to a TPU tile)."""
-    size = vector.shape[-1]
-    return jnp.stack([sum(matrix[..., i, m] * vector[..., m] for m in range(size)) for i in range(size)], axis=-1)
-
-
-def _residual(z: jax.Array, gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array
-              ) -> jax.Array:
-    """max_l |w - BR(w)| per position at w = softmax(z)."""
-    return _distance_to_best_response(*_best_logits(z, gram, prior, temperature, available), available)
-
-
-def _distance_to_best_response(logits: jax.Array, w: jax.Array, available: jax.Array) -> jax.Array:
-    """max_l |w - BR(w)| per position, from the best-response logits T(z) and w = softmax(z)."""
-    return jnp.max(jnp.abs(masked_softmax(logits, available) - w), axis=-1)
+    """:func:`_newton_entries` on arrays: [..., L, L]."""
+    rows = _newton_entries(_entries(w), _matrix_entries(gram), temperature, _entries(available))
+    return jnp.stack([jnp.stack(row, axis=-1) for row in rows], axis=-2)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
@@ -248,40 +294,46 @@ def _solve_positions(gram: jax.Array, prior: jax.Array, temperature: jax.Array, 
     """:func:`solve_equilibrium` on one device's positions: safeguarded Newton steps; a position takes one more
     step from its first iterate with max_l |w - BR(w)| <= the tolerance (or not finite), then its logits are
     frozen. The extra step (quadratic near the solution) brings the log-odds to float32 precision: the tolerance
-    bounds |w - BR(w)|, not log(w_l / w_m), and a small weight's log-odds can still be 4e-4 off at it."""
+    bounds |w - BR(w)|, not log(w_l / w_m), and a small weight's log-odds can still be 4e-4 off at it. The loop
+    runs on entries (one array per scale)."""
     tol = TOLERANCE.get(jnp.dtype(gram.dtype), 1e-6)
+    game, base, mask = _matrix_entries(gram), _entries(prior), _entries(available)
 
-    def residual_of(z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def residual_of(z: Entries) -> tuple[Entries, jax.Array]:
         """(z - T(z) on the available scales (z elsewhere), whether w = softmax(z) is within the tolerance:
         max_l |w - BR(w)| <= tol; NaN counts as within, more steps cannot mend it)."""
-        logits, w = _best_logits(z, gram, prior, temperature, available)
-        within = ~(_distance_to_best_response(logits, w, available) > tol)
-        return jnp.where(available, z - logits, z), within
+        logits, w = _best_response(z, game, base, temperature, mask)
+        within = ~(_distance(logits, w, mask) > tol)
+        return [jnp.where(a, x - t, x) for x, t, a in zip(z, logits, mask, strict=True)], within
 
-    Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+    Carry = tuple[Entries, Entries, jax.Array, jax.Array, jax.Array]
 
     def step(carry: Carry) -> Carry:
         z, r, within, done, i = carry
-        w = masked_softmax(z, available)
-        newton = z - solve_small(_newton_matrix(w, gram, temperature, available), r)
-        plain = z - r
+        w = _softmax_entries(z, mask)
+        newton = [a - b for a, b in zip(z, _solve_entries(_newton_entries(w, game, temperature, mask), r),
+                                         strict=True)]
+        plain = [a - b for a, b in zip(z, r, strict=True)]
         (r_newton, within_newton), (r_plain, within_plain) = residual_of(newton), residual_of(plain)
-        better = jnp.max(jnp.abs(r_newton), -1, keepdims=True) <= jnp.max(jnp.abs(r_plain), -1, keepdims=True)
-        better &= jnp.all(jnp.isfinite(newton), -1, keepdims=True)
-        # a done position keeps its z; its next ``within`` is never read (done stays done)
-        z = jnp.where(done[..., None], z, jnp.where(better, newton, plain))
-        r = jnp.where(done[..., None], r, jnp.where(better, r_newton, r_plain))
-        within_next = jnp.where(better[..., 0], within_newton, within_plain)
-        return z, r, within_next, done | within, i + 1  # within tolerance at the step's start: done after it
+        better = _largest([jnp.abs(x) for x in r_newton]) <= _largest([jnp.abs(x) for x in r_plain])
+        better &= functools.reduce(jnp.logical_and, [jnp.isfinite(x) for x in newton])
+
+        def pick(old: Entries, new: Entries, other: Entries) -> Entries:
+            # a done position keeps its z; its next ``within`` is never read (done stays done)
+            return [jnp.where(done, a, jnp.where(better, b, c)) for a, b, c in zip(old, new, other, strict=True)]
+
+        within_next = jnp.where(better, within_newton, within_plain)
+        return pick(z, newton, plain), pick(r, r_newton, r_plain), within_next, done | within, i + 1
 
     def unconverged(carry: Carry) -> jax.Array:
         _, _, _, done, i = carry
         return (i < max_iters) & ~jnp.all(done)
 
-    z0 = jnp.where(available, prior, 0.0)
-    start = (z0, *residual_of(z0), jnp.zeros(z0.shape[:-1], bool), jnp.asarray(0))
+    z0 = [jnp.where(a, p, 0.0) for p, a in zip(base, mask, strict=True)]
+    start = (z0, *residual_of(z0), jnp.zeros(temperature.shape, bool), jnp.asarray(0))
     z, _, _, _, _ = jax.lax.while_loop(unconverged, step, start)
-    return masked_softmax(z, available), _residual(z, gram, prior, temperature, available), z
+    logits, w = _best_response(z, game, base, temperature, mask)
+    return jnp.stack(w, axis=-1), _distance(logits, w, mask), jnp.stack(z, axis=-1)
 
 
 @solve_equilibrium.defjvp
