@@ -11,7 +11,7 @@ from einops import rearrange
 from jaxtyping import Array, Float, jaxtyped
 
 from nash_mhc.ops.sinkhorn_kernel import sinkhorn_tokens, token_block
-from nash_mhc.ops.sinkhorn_rounds import project, sinkhorn_round, walk_back
+from nash_mhc.ops.sinkhorn_rounds import project, sinkhorn_round, walk_back_exp
 from nash_mhc.sharding import per_shard
 
 
@@ -21,15 +21,15 @@ def sinkhorn(logits: Float[Array, "*batch n n"], num_iters: int = 20) -> Float[A
 
     Computed in float32 whatever the input dtype. Rows are normalised last, so row sums are 1 to float32
     precision; column sums converge as ``num_iters`` grows (fast for logits of small spread). Every iterate
-    is a log-sum-exp shift, so values and gradients stay finite for logits of any magnitude. Only the input is
-    saved for the backward pass, which re-runs the rounds keeping their iterates and walks them back
+    is a log-sum-exp shift, so values and gradients stay finite for logits of any magnitude. The forward pass of
+    a gradient keeps every round's exponentiated iterates and the backward pass walks them back
     (:mod:`nash_mhc.ops.sinkhorn_rounds`: the gradient of exactly these ``num_iters`` rounds). The matrices
     are laid out [n, n, tokens], so every step is vectorised along the tokens. Reverse mode only (a
     ``custom_vjp``, as the TPU kernels).
 
     Lowered for TPU, one [T, n, n] batch of matrices whose T a token tile divides runs as the Pallas kernels of
-    :func:`nash_mhc.ops.sinkhorn_kernel.sinkhorn_tokens` on each device's token shard (same function, same
-    saved input; finite logits); elsewhere (CPU, GPU) the same rounds in XLA.
+    :func:`nash_mhc.ops.sinkhorn_kernel.sinkhorn_tokens` on each device's token shard (same function; they
+    save only the logits and rerun the rounds on chip; finite logits); elsewhere (CPU, GPU) the same rounds in XLA.
     """
     if num_iters < 1:
         raise ValueError(f"sinkhorn needs num_iters >= 1, got {num_iters}")
@@ -57,25 +57,29 @@ def _sinkhorn_xla(logits: jax.Array, num_iters: int) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _rounds(z: jax.Array, num_iters: int) -> jax.Array:
-    """exp of ``num_iters`` rounds of [n, n, T] float32; only z is saved for the backward pass."""
+    """exp of ``num_iters`` rounds of [n, n, T] float32."""
     return project(z, num_iters)
 
 
-def _rounds_fwd(z: jax.Array, num_iters: int) -> tuple[jax.Array, jax.Array]:
-    return _rounds(z, num_iters), z
-
-
-def _rounds_bwd(num_iters: int, z: jax.Array, g: jax.Array) -> tuple[jax.Array]:
-    """Re-run the rounds keeping each one's iterates, then walk them back from the last."""
+def _rounds_fwd(z: jax.Array, num_iters: int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The rounds, keeping each one's exponentiated iterates exp(c), exp(r) [num_iters, n, n, T] for the walk
+    back: 2 num_iters n² floats per matrix, where re-running the rounds in the backward pass kept only z (n²)
+    but computed every round and its exponentials twice more (CPU: 1.5 x the time of forward + backward,
+    benchmarks/README.md). Under remat only the layer being differentiated holds them."""
     def forward(z: jax.Array, _: None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         c, r = sinkhorn_round(z)
-        return r, (c, r)
+        return r, (jnp.exp(c), jnp.exp(r))
 
-    def backward(dr: jax.Array, iterates: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
-        return walk_back(dr, *iterates), None
+    _, iterates = jax.lax.scan(forward, z, None, length=num_iters)
+    return iterates[1][-1], iterates
 
-    z, iterates = jax.lax.scan(forward, z, None, length=num_iters)  # [num_iters, n, n, T] each
-    dz, _ = jax.lax.scan(backward, g * jnp.exp(z), iterates, reverse=True)
+
+def _rounds_bwd(num_iters: int, iterates: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array]:
+    """Walk the saved iterates back from the last."""
+    def backward(dr: jax.Array, exps: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+        return walk_back_exp(dr, *exps), None
+
+    dz, _ = jax.lax.scan(backward, g * iterates[1][-1], iterates, reverse=True)
     return (dz,)
 
 

@@ -5,6 +5,7 @@
     sinkhorn_round(z)               (c, r): c = the column step of z, r = the row step of c
     project(z, num_iters)           exp of num_iters rounds from z (the forward pass)
     walk_back(dr, c, r)             d z of one round, given d r and the round's iterates c and r
+    walk_back_exp(dr, ec, er)       the same from exp(c) and exp(r)
 
 With the tokens minor, every reduction is over a major axis of n entries: elementwise work across the tokens
 that a compiler vectorises along them (on TPU: the 128 lanes; on CPU: the SIMD width).
@@ -34,8 +35,14 @@ def project(z: jax.Array, num_iters: int) -> jax.Array:
 
 
 def walk_back(dr: jax.Array, c: jax.Array, r: jax.Array) -> jax.Array:
-    """The cotangent of a round's input z from that of its output r, all [n, n, T].
+    """The cotangent of a round's input z from that of its output r, all [n, n, T] (:func:`walk_back_exp` of
+    exp(c) and exp(r))."""
+    return walk_back_exp(dr, jnp.exp(c), jnp.exp(r))
+
+
+def walk_back_exp(dr: jax.Array, exp_c: jax.Array, exp_r: jax.Array) -> jax.Array:
+    """:func:`walk_back` from the exponentiated iterates exp(c), exp(r), all [n, n, T].
 
     Row step r = c - lse_j(c): dc = dr - exp(r) Σ_j dr. Column step c = z - lse_i(z): dz = dc - exp(c) Σ_i dc."""
-    dc = dr - jnp.exp(r) * jnp.sum(dr, axis=1, keepdims=True)
-    return dc - jnp.exp(c) * jnp.sum(dc, axis=0, keepdims=True)
+    dc = dr - exp_r * jnp.sum(dr, axis=1, keepdims=True)
+    return dc - exp_c * jnp.sum(dc, axis=0, keepdims=True)
