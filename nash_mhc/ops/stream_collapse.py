@@ -209,12 +209,16 @@ def _on_shards(kernels: bool, function, in_names, out_names):
     return per_shard(function, in_names, out_names) if kernels else function
 
 
-def _forward(coefficients, x, w, params, blocks, interpret, kernels):
+def _forward(coefficients, x, w, params, blocks, interpret, kernels, pullback=False):
+    """(X, u, H_post, H_res) and (H_pre, the coefficients' pullback when ``pullback``, else None)."""
     raw, ss = _on_shards(kernels, functools.partial(_stats, blocks=blocks, interpret=interpret, kernels=kernels),
                          (STREAMS, ("streams", "features", "hc_coeffs")), (("tokens", "hc_coeffs"), ("tokens",)))(x, w)
-    h_pre, h_post, h_res = coefficients(raw, ss, params)
+    if pullback:
+        (h_pre, h_post, h_res), vjp = jax.vjp(coefficients, raw, ss, params)
+    else:
+        (h_pre, h_post, h_res), vjp = coefficients(raw, ss, params), None
     u = weighted_sum([a.astype(F32) for a in x], h_pre).astype(x.dtype)
-    return (x, u, h_post, h_res), (raw, ss, h_pre)
+    return (x, u, h_post, h_res), (h_pre, vjp)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5, 6))
@@ -223,17 +227,19 @@ def _collapse(coefficients, x, w, params, blocks, interpret, kernels):
 
 
 def _collapse_fwd(coefficients, x, w, params, blocks, interpret, kernels):
-    out, (raw, ss, h_pre) = _forward(coefficients, x, w, params, blocks, interpret, kernels)
-    return out, (x, w, params, raw, ss, h_pre)
+    """Saves the coefficients' pullback (their own residuals: Sinkhorn's saved iterates on CPU and GPU, its
+    logits on TPU), so the backward pass does not recompute them."""
+    out, (h_pre, pullback) = _forward(coefficients, x, w, params, blocks, interpret, kernels, pullback=True)
+    return out, (x, w, h_pre, pullback)
 
 
 def _collapse_bwd(coefficients, blocks, interpret, kernels, residuals, cotangents):
-    x, w, params, raw, ss, h_pre = residuals
+    del coefficients
+    x, w, h_pre, pullback = residuals
     dxo, du, dh_post, dh_res = cotangents
     du = du.astype(x.dtype)
     dh_pre = _on_shards(kernels, functools.partial(_dh_pre, blocks=blocks, interpret=interpret, kernels=kernels),
                         (STREAMS, TOKENS), ("tokens", "streams"))(x, du)
-    _, pullback = jax.vjp(coefficients, raw, ss, params)
     draw, dss, dparams = pullback((dh_pre, dh_post.astype(F32), dh_res.astype(F32)))
     scalars = jnp.concatenate([h_pre, 2.0 * dss[:, None]], axis=1)
     dx = _on_shards(kernels, functools.partial(_dx, blocks=blocks, interpret=interpret, kernels=kernels),
