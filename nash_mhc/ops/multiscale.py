@@ -114,7 +114,8 @@ def upsample_shifted(y: Float[Array, "*batch blocks dim"], seq_len: int, block: 
     available = jnp.asarray(available_mask(seq_len, block))
 
     def xla(y: jax.Array) -> jax.Array:
-        repeated = jnp.repeat(y, block, axis=-2, total_repeat_length=blocks * block)
+        # a broadcast, not jnp.repeat: repeat's gather had a scatter-add as its gradient (XLA CPU)
+        repeated = jnp.broadcast_to(y[..., None, :], (*batch, blocks, block, dim)).reshape(*batch, blocks * block, dim)
         return jnp.concatenate([jnp.zeros((*batch, block - 1, dim), y.dtype), repeated[..., :keep, :]], axis=-2)
 
     if not (_chunked(seq_len, block) and blocks == seq_len // block):
