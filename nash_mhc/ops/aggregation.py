@@ -75,12 +75,8 @@ def masked_softmax(logits: Float[Array, "*batch scales"], available: Bool[Array,
                    ) -> Float[Array, "*batch scales"]:
     """Softmax over the available entries; unavailable entries get exactly 0 (rows with none: all 0)."""
     logits = logits.astype(_compute_dtype(logits))
-    logits = jnp.where(available, logits, -jnp.inf)
-    peak = jnp.max(logits, axis=-1, keepdims=True)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    unnorm = jnp.where(available, jnp.exp(logits - peak), 0.0)
-    total = jnp.sum(unnorm, axis=-1, keepdims=True)
-    return unnorm / jnp.where(total > 0, total, 1.0)
+    entries = _softmax_entries(_entries(logits), _entries(jnp.broadcast_to(available, logits.shape)))
+    return jnp.stack(entries, axis=-1)
 
 
 @jaxtyped(typechecker=beartype)
@@ -208,7 +204,7 @@ def _solve_entries(rows: list[Entries], right: Entries) -> Entries:
 
 
 def _softmax_entries(logits: Entries, available: Entries) -> Entries:
-    """:func:`masked_softmax` on entries."""
+    """:func:`masked_softmax` on entries: shifted by the largest available logit (0 where none is finite)."""
     logits = [jnp.where(a, x, -jnp.inf) for x, a in zip(logits, available, strict=True)]
     peak = _largest(logits)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
