@@ -151,3 +151,19 @@ def test_declared_cost_is_the_schedules_flops_exponentials_and_bytes(seq, block,
     def loss(q, k, v):
         return flash_causal_attention(q, k, v, block=block).astype(jnp.float32).sum()
     assert declared(jax.grad(loss, argnums=(0, 1, 2)), x, x, x) == [costs.forward, costs.dkv, costs.dq]
+
+
+def test_cudnn_attention_only_where_it_can_run(monkeypatch):
+    """cuDNN's fused attention is chosen only with a GPU as JAX's default backend (a cuDNN call cannot be traced
+    without one), bfloat16 / float16 operands (it takes no float32) and a head dim ≤ 128 divisible by 8.
+    benchmarks/gpu_attention_check.py checks its numerics and causality on a GPU."""
+    from nash_mhc.ops.attention import cudnn_usable
+
+    q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
+    assert not cudnn_usable(q)  # this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert cudnn_usable(q) and cudnn_usable(q.astype(jnp.float16))
+    assert not cudnn_usable(q.astype(jnp.float32))
+    assert not cudnn_usable(jnp.zeros((2, 64, 4, 12), jnp.bfloat16))
+    assert not cudnn_usable(jnp.zeros((2, 64, 4, 256), jnp.bfloat16))
+    assert cudnn_usable(jnp.zeros((2, 64, 4, 128), jnp.bfloat16))

@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.aggregation import ScaleAggregation
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
-from nash_mhc.ops.attention import causal_attention
+from nash_mhc.ops.attention import causal_attention, cudnn_causal_attention, cudnn_usable
 from nash_mhc.ops.flash_attention import flash_block, flash_causal_attention
 from nash_mhc.ops.multiscale import downsample, renormalise, upsample_shifted
 from nash_mhc.ops.rope import rope
@@ -22,17 +22,24 @@ def attend(q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch s
            v: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq heads head_dim"]:
     """Causal attention of a batch: q, k, v [B, T, H, K] → [B, T, H, K].
 
-    Lowered for TPU, the Pallas flash kernels (:func:`nash_mhc.ops.flash_attention.flash_causal_attention`)
-    run on each device's shard (:func:`nash_mhc.sharding.per_shard_attention`), so the [T, T] scores never
-    reach HBM. Elsewhere (CPU, GPU), and where no flash block divides T, the XLA path
+    Lowered for TPU, the Pallas flash kernels (:func:`nash_mhc.ops.flash_attention.flash_causal_attention`);
+    for an NVIDIA GPU (when JAX's default backend is one and the operands are bfloat16 / float16), cuDNN's fused
+    flash attention (:func:`nash_mhc.ops.attention.cudnn_causal_attention`); both on each device's shard
+    (:func:`nash_mhc.sharding.per_shard_attention`), so the [T, T] scores never reach HBM. Elsewhere (CPU, a
+    float32 GPU step), and on TPU where no flash block divides T, the XLA path
     (:func:`nash_mhc.ops.attention.causal_attention` per sequence). The choice is made when the step is
-    lowered (``jax.lax.platform_dependent``), so one traced model serves every backend. Both paths compute
-    the same function with float32 scores and softmax; their rounding differs (block-wise online softmax).
+    lowered (``jax.lax.platform_dependent``), so one traced model serves every backend. All paths compute the
+    same function with float32 scores and softmax; their rounding differs (block-wise online softmax).
     """
     xla = jax.vmap(causal_attention)
-    if flash_block(q.shape[1]) is None:
+    kernels = {}
+    if flash_block(q.shape[1]) is not None:
+        kernels["tpu"] = per_shard_attention(flash_causal_attention)
+    if cudnn_usable(q):
+        kernels["cuda"] = per_shard_attention(cudnn_causal_attention)
+    if not kernels:
         return xla(q, k, v)
-    return jax.lax.platform_dependent(q, k, v, tpu=per_shard_attention(flash_causal_attention), default=xla)
+    return jax.lax.platform_dependent(q, k, v, default=xla, **kernels)
 
 
 class MultiscaleAttention(eqx.Module):

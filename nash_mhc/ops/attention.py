@@ -47,6 +47,27 @@ def _attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     return f32_einsum("hqs,hsk->hqk", probs, v, v.dtype).astype(v.dtype)
 
 
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def cudnn_usable(q: jax.Array) -> bool:
+    """Whether :func:`cudnn_causal_attention` can run ``q`` [..., K] here: JAX's default backend is a GPU (a
+    cuDNN call cannot even be traced without one), the operands are bfloat16 / float16 and K ≤ 128, a multiple
+    of 8 (cuDNN's flash attention takes no float32)."""
+    return (jax.default_backend() == "gpu" and q.dtype in CUDNN_DTYPES and q.shape[-1] <= 128
+            and q.shape[-1] % 8 == 0)
+
+
+def cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """cuDNN's fused flash attention with the causal mask (NVIDIA GPUs): q, k, v [B, T, H, K] → [B, T, H, K].
+
+    The function of :func:`causal_attention` (scale 1/√K, float32 scores, softmax and accumulation, operands and
+    output in the inputs' dtype), computed block by block on chip: the [T, T] scores never reach HBM, and the
+    backward pass recomputes them from q, k, v and the saved log-sum-exp. Masked keys get probability exactly
+    0 (a change at key j never reaches a query i < j)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
 MAX_QUERY_CHUNKS = 8
 MIN_CHUNK = 64
 
