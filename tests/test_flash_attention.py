@@ -155,7 +155,8 @@ def test_declared_cost_is_the_schedules_flops_exponentials_and_bytes(seq, block,
 
 def test_cudnn_attention_only_where_it_can_run(monkeypatch):
     """cuDNN's fused attention is chosen only with a GPU as JAX's default backend (a cuDNN call cannot be traced
-    without one), bfloat16 / float16 operands (it takes no float32) and a head dim ≤ 128 divisible by 8.
+    without one), bfloat16 / float16 operands (it takes no float32), a head dim ≤ 128 divisible by 8 and T a
+    multiple of 64.
     benchmarks/gpu_attention_check.py checks its numerics and causality on a GPU."""
     from nash_mhc.ops.attention import cudnn_usable
 
@@ -167,3 +168,4 @@ def test_cudnn_attention_only_where_it_can_run(monkeypatch):
     assert not cudnn_usable(jnp.zeros((2, 64, 4, 12), jnp.bfloat16))
     assert not cudnn_usable(jnp.zeros((2, 64, 4, 256), jnp.bfloat16))
     assert cudnn_usable(jnp.zeros((2, 64, 4, 128), jnp.bfloat16))
+    assert not cudnn_usable(jnp.zeros((2, 96, 4, 64), jnp.bfloat16))  # T not a multiple of 64
