@@ -48,8 +48,6 @@ def _attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
 
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-
-
 CUDNN_SEQ_MULTIPLE = 64
 
 
