@@ -154,18 +154,29 @@ def test_declared_cost_is_the_schedules_flops_exponentials_and_bytes(seq, block,
 
 
 def test_cudnn_attention_only_where_it_can_run(monkeypatch):
-    """cuDNN's fused attention is chosen only with a GPU as JAX's default backend (a cuDNN call cannot be traced
-    without one), bfloat16 / float16 operands (it takes no float32), a head dim ≤ 128 divisible by 8 and T a
-    multiple of 64.
-    benchmarks/gpu_attention_check.py checks its numerics and causality on a GPU."""
-    from nash_mhc.ops.attention import cudnn_usable
+    """cuDNN's fused attention is chosen only on an NVIDIA GPU that runs it (CUDA, compute capability ≥ 8.0: a
+    cuDNN call cannot be traced without one), for bfloat16 / float16 operands (it takes no float32), a head dim ≤
+    128 divisible by 8 and T a multiple of 64. benchmarks/gpu_attention_check.py checks its numerics and
+    causality on a GPU (operator-level causality and numerics were checked on an H100)."""
+    from nash_mhc.ops import attention
 
     q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
-    assert not cudnn_usable(q)  # this CPU
+    assert not attention.cuda_flash_device() and not attention.cudnn_usable(q)  # this CPU
+    monkeypatch.setattr(attention, "cuda_flash_device", lambda: True)
+    assert attention.cudnn_usable(q) and attention.cudnn_usable(q.astype(jnp.float16))
+    assert not attention.cudnn_usable(q.astype(jnp.float32))
+    assert not attention.cudnn_usable(jnp.zeros((2, 64, 4, 12), jnp.bfloat16))
+    assert not attention.cudnn_usable(jnp.zeros((2, 64, 4, 256), jnp.bfloat16))
+    assert attention.cudnn_usable(jnp.zeros((2, 64, 4, 128), jnp.bfloat16))
+    assert not attention.cudnn_usable(jnp.zeros((2, 96, 4, 64), jnp.bfloat16))  # T not a multiple of 64
+
+
+def test_a_gpu_backend_without_cuda_keeps_the_xla_attention(monkeypatch):
+    """A "gpu" default backend that is not CUDA (ROCm; here the CPU client posing as one) never picks cuDNN, so a
+    bfloat16 step still traces and lowers there (tracing the cuDNN call raises "cuDNN is not detected")."""
+    from nash_mhc.layers.attention import attend
+
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert cudnn_usable(q) and cudnn_usable(q.astype(jnp.float16))
-    assert not cudnn_usable(q.astype(jnp.float32))
-    assert not cudnn_usable(jnp.zeros((2, 64, 4, 12), jnp.bfloat16))
-    assert not cudnn_usable(jnp.zeros((2, 64, 4, 256), jnp.bfloat16))
-    assert cudnn_usable(jnp.zeros((2, 64, 4, 128), jnp.bfloat16))
-    assert not cudnn_usable(jnp.zeros((2, 96, 4, 64), jnp.bfloat16))  # T not a multiple of 64
+    q = jax.random.normal(jax.random.key(0), (2, 64, 4, 16), jnp.float32).astype(jnp.bfloat16)
+    text = jax.jit(attend).lower(q, q, q).as_text()
+    assert "cudnn" not in text.lower()

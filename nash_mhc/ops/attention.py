@@ -49,15 +49,26 @@ def _attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 CUDNN_SEQ_MULTIPLE = 64
+CUDNN_MIN_CAPABILITY = (8, 0)  # cuDNN's flash attention: Ampere and later
+
+
+def cuda_flash_device() -> bool:
+    """Whether JAX's default backend is an NVIDIA GPU that runs cuDNN's flash attention: a CUDA (not ROCm)
+    platform, compute capability ≥ 8.0. A cuDNN call cannot even be traced elsewhere."""
+    if jax.default_backend() != "gpu":
+        return False
+    device = jax.local_devices()[0]
+    if "cuda" not in device.client.platform_version.lower():
+        return False
+    return tuple(int(x) for x in device.compute_capability.split(".")) >= CUDNN_MIN_CAPABILITY
 
 
 def cudnn_usable(q: jax.Array) -> bool:
-    """Whether :func:`cudnn_causal_attention` runs ``q`` [B, T, H, K] here: JAX's default backend is a GPU (a
-    cuDNN call cannot even be traced without one), the operands are bfloat16 / float16 (cuDNN's flash attention
-    takes no float32), K ≤ 128 is a multiple of 8, and T a multiple of 64 (the lengths checked on a GPU:
-    benchmarks/gpu_attention_check.py; others keep the XLA path)."""
-    return (jax.default_backend() == "gpu" and q.dtype in CUDNN_DTYPES and q.shape[-1] <= 128
-            and q.shape[-1] % 8 == 0 and q.shape[-3] % CUDNN_SEQ_MULTIPLE == 0)
+    """Whether :func:`cudnn_causal_attention` runs ``q`` [B, T, H, K] here: :func:`cuda_flash_device`, operands in
+    bfloat16 / float16 (cuDNN's flash attention takes no float32), K ≤ 128 a multiple of 8, and T a multiple of
+    64 (the lengths checked on a GPU: benchmarks/gpu_attention_check.py; others keep the XLA path)."""
+    return (q.dtype in CUDNN_DTYPES and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0
+            and q.shape[-3] % CUDNN_SEQ_MULTIPLE == 0 and cuda_flash_device())
 
 
 def cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
