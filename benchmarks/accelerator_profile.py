@@ -18,6 +18,7 @@ import argparse
 import collections
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -109,6 +110,8 @@ def main() -> None:
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     out = args.out or Path(tempfile.mkdtemp(prefix="accelerator_profile_"))
+    for stale in (out / "dump", out / "trace"):  # a reused --out: only this run's module and trace
+        shutil.rmtree(stale, ignore_errors=True)
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={out / 'dump'}".strip()
 
     import jax

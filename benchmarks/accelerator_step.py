@@ -141,7 +141,8 @@ def run(name: str, args: argparse.Namespace, connection) -> None:
         from nash_mhc.training.throughput import MFUMeter, table_peak
 
         if flops_device is not None:
-            meter = MFUMeter.for_device(flops, 1, device=flops_device, dtype=args.dtype or "float32")
+            dtype = model_config(args.preset, name, args.dtype).dtype
+            meter = MFUMeter.for_device(flops, 1, device=flops_device, dtype=dtype)
             peak, source = meter.peak, meter.source
         else:
             peak = table_peak(device_kind)
@@ -152,7 +153,8 @@ def run(name: str, args: argparse.Namespace, connection) -> None:
                          "mfu": tokens / seconds * flops / peak if peak else None, "peak_source": source,
                          "peak_memory_bytes": peak_memory(), "loss": loss})
     except Exception as error:  # one contestant failing (out of memory, say) still reports the others
-        connection.send({"name": name, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"})
+        first_line = (str(error).splitlines() or [""])[0][:300]
+        connection.send({"name": name, "error": f"{type(error).__name__}: {first_line}"})
     connection.close()
 
 
@@ -167,7 +169,10 @@ def main() -> None:
     parser.add_argument("--nanogpt", type=Path, default=None, help="nanoGPT's model.py: time it too")
     parser.add_argument("--torch-compile", action="store_true", help="with --nanogpt: also torch.compile it")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds a contestant may take in all")
     args = parser.parse_args()
+    if args.steps < 1 or args.blocks < 1:
+        parser.error(f"--steps and --blocks must be at least 1, got {args.steps} and {args.blocks}")
     if args.nanogpt is not None and not args.nanogpt.is_file():
         parser.error(f"--nanogpt {args.nanogpt}: no such file")
     names = list(args.variants)
@@ -181,9 +186,14 @@ def main() -> None:
         process.start()
         send.close()
         try:
-            results.append(receive.recv())
+            if receive.poll(args.timeout):
+                results.append(receive.recv())
+            else:
+                process.kill()
+                results.append({"name": name, "error": f"no result within --timeout {args.timeout:.0f} s"})
         except EOFError:
-            results.append({"name": name, "error": f"process died (exit code {process.join() or process.exitcode})"})
+            process.join()
+            results.append({"name": name, "error": f"process died (exit code {process.exitcode})"})
         process.join()
         print(json.dumps(results[-1]), flush=True)
     base = next((r for r in results if r["name"] == "plain+full" and "error" not in r), None)
