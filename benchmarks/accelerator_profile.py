@@ -119,7 +119,8 @@ def main() -> None:
 
     if args.variant not in VARIANTS:
         parser.error(f"--variant must be one of {', '.join(VARIANTS)}")
-    step, tokens, _, device = ours(args.preset, args.variant, args.dtype, args.batch_size)
+    step, config, device = ours(args.preset, args.variant, args.dtype, args.batch_size)
+    tokens = args.batch_size * config.seq_len
     for _ in range(3):
         jax.block_until_ready(step())
     jax.profiler.start_trace(str(out / "trace"))

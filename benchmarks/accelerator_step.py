@@ -6,8 +6,9 @@ optionally, nanoGPT's PyTorch model at the same shapes, each in a process of its
 
 Contestants (same shapes: the preset's layers, width, heads, sequence and padded vocabulary; random tokens):
 
-* ours: :func:`nash_mhc.training.train_step` on a one-device mesh, AdamW (weight decay 0.1), clipping at 1.0,
-  the preset's memory settings, ``--dtype`` as compute dtype (parameters float32);
+* ours: :func:`nash_mhc.training.train_step` on a one-device mesh (``nanogpt_compare.train_step_of``), AdamW
+  (weight decay 0.1), clipping at 1.0, the preset's memory settings, ``--dtype`` as compute dtype (parameters
+  float32);
 * ``--nanogpt``: nanoGPT's ``GPT`` (bias off, dropout 0) with its own ``configure_optimizers`` and the step of its
   ``train.py`` (autocast to ``--dtype``, backward, ``clip_grad_norm_(1.0)``, step, ``zero_grad``), eager and, with
   ``--torch-compile``, ``torch.compile``-d; on the GPU when torch sees one, TF32 allowed as its ``train.py`` does.
@@ -46,25 +47,12 @@ def model_config(preset: str, variant: str, dtype: str | None):
 
 
 def ours(preset: str, variant: str, dtype: str | None, batch_size: int):
-    """(step callable returning the loss as an array, tokens per step, model FLOPs per token, device)."""
+    """(step callable returning the loss as an array, the variant's ModelConfig, the device)."""
     import jax
-
-    from nash_mhc import TrainConfig, make_mesh
-    from nash_mhc.training import Batch, init_train_state, train_step
+    from nanogpt_compare import train_step_of
 
     config = model_config(preset, variant, dtype)
-    train = TrainConfig(batch_size=batch_size, learning_rate=3e-4, weight_decay=0.1, warmup_steps=1,
-                        total_steps=100_000)
-    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    holder = {"state": init_train_state(config, train, mesh, key=jax.random.key(0))}
-    tokens = jax.random.randint(jax.random.key(1), (batch_size, config.seq_len + 1), 0, config.vocab_size)
-    batch = Batch(tokens=tokens)
-
-    def step():
-        holder["state"], metrics = train_step(holder["state"], batch)
-        return metrics["loss"]
-
-    return step, batch_size * config.seq_len, config.flops_per_token(), jax.devices()[0]
+    return train_step_of(config, batch_size, learning_rate=3e-4), config, jax.devices()[0]
 
 
 def nanogpt(model_py: Path, preset: str, dtype: str | None, batch_size: int, compile_: bool):
@@ -121,7 +109,8 @@ def run(name: str, args: argparse.Namespace, connection) -> None:
         else:
             import jax
 
-            step, tokens, flops, flops_device = ours(args.preset, name, args.dtype, args.batch_size)
+            step, config, flops_device = ours(args.preset, name, args.dtype, args.batch_size)
+            tokens, flops = args.batch_size * config.seq_len, config.flops_per_token()
             wait = lambda loss: float(jax.block_until_ready(loss))  # noqa: E731
             device_kind = flops_device.device_kind
             stats = lambda: (flops_device.memory_stats() or {}).get("peak_bytes_in_use")  # noqa: E731
@@ -141,8 +130,7 @@ def run(name: str, args: argparse.Namespace, connection) -> None:
         from nash_mhc.training.throughput import MFUMeter, table_peak
 
         if flops_device is not None:
-            dtype = model_config(args.preset, name, args.dtype).dtype
-            meter = MFUMeter.for_device(flops, 1, device=flops_device, dtype=dtype)
+            meter = MFUMeter.for_device(flops, 1, device=flops_device, dtype=config.dtype)
             peak, source = meter.peak, meter.source
         else:
             peak = table_peak(device_kind)

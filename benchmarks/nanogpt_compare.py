@@ -65,26 +65,37 @@ def nanogpt_step(model_py: Path, batch_size: int, seq_len: int, vocab: int):
     return step
 
 
-def nash_step(residual: str, attention: str, batch_size: int):
-    """A callable running one of our train steps (compiled on the first call)."""
+def train_step_of(config, batch_size: int, learning_rate: float):
+    """A callable running one of our train steps of ``config`` (compiled on the first call) on one device: random
+    tokens, AdamW with weight decay 0.1, clipping; returns the loss without waiting for it."""
     import jax
 
-    from nash_mhc import ModelConfig, TrainConfig, make_mesh
+    from nash_mhc import TrainConfig, make_mesh
     from nash_mhc.training import Batch, init_train_state, train_step
 
-    config = ModelConfig.preset("small", residual=residual, attention=attention)
-    train = TrainConfig(batch_size=batch_size, learning_rate=1e-3, weight_decay=0.1, warmup_steps=1,
+    train = TrainConfig(batch_size=batch_size, learning_rate=learning_rate, weight_decay=0.1, warmup_steps=1,
                         total_steps=100_000)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     holder = {"state": init_train_state(config, train, mesh, key=jax.random.key(0))}
     tokens = jax.random.randint(jax.random.key(1), (batch_size, config.seq_len + 1), 0, config.vocab_size)
     batch = Batch(tokens=tokens)
 
-    def step() -> float:
+    def step() -> jax.Array:
         holder["state"], metrics = train_step(holder["state"], batch)
-        return float(jax.block_until_ready(metrics["loss"]))
+        return metrics["loss"]
 
-    return step, config
+    return step
+
+
+def nash_step(residual: str, attention: str, batch_size: int):
+    """A callable running one of our ``small`` train steps (compiled on the first call), waiting for its loss."""
+    import jax
+
+    from nash_mhc import ModelConfig
+
+    config = ModelConfig.preset("small", residual=residual, attention=attention)
+    step = train_step_of(config, batch_size, learning_rate=1e-3)
+    return (lambda: float(jax.block_until_ready(step()))), config
 
 
 def build(name: str, model_py: str, batch_size: int):
