@@ -81,9 +81,11 @@ class ScaleAggregation(eqx.Module):
         def aggregate(outputs: list[jax.Array], params: tuple[jax.Array, jax.Array | None, jax.Array | None]
                       ) -> Aggregated:
             prior, log_temperature, gate = params
-            if log_temperature is not None:
-                output, weights, residual = nash_aggregate(outputs, available, prior, jnp.exp(log_temperature),
-                                                           num_iters=self.num_iters)
+            if log_temperature is not None:  # TPU: the reductions over D in Pallas kernels (ops.scale_stats)
+                nash = functools.partial(nash_aggregate, num_iters=self.num_iters)
+                output, weights, residual = jax.lax.platform_dependent(
+                    outputs, available, prior, jnp.exp(log_temperature), tpu=functools.partial(nash, kernels=True),
+                    default=nash)
             else:
                 weights = (gate_weights(outputs, available, prior, gate) if gate is not None
                            else prior_weights(prior, available))

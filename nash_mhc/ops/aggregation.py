@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
+from nash_mhc.ops import aggregation_kernels
 from nash_mhc.sharding import per_shard
 
 FLOOR = 1.05  # c of tau_t = tau + c lambda_max(C): every log-odds moves by < 2 / c = 1.90 nats from the prior
@@ -391,6 +392,8 @@ def nash_aggregate(
     temperature: Float[Array, ""],
     *,
     num_iters: int,
+    kernels: bool = False,
+    interpret: bool = False,
 ) -> tuple[Float[Array, "*batch dim"], Float[Array, "*batch scales"], Float[Array, "*batch"]]:
     """(sum_l w_l O_l, weights, residual): :func:`combine` of :func:`nash_weights`, with a hand-written backward
     pass over the outputs O_l [..., D].
@@ -404,41 +407,89 @@ def nash_aggregate(
     docs/tpu.md). Both passes read the outputs through an optimisation barrier: without it XLA still moved their
     float32 conversions ahead of the layout copies it inserts, and copied twice the bytes. Reverse mode only (a
     ``custom_vjp``).
+
+    ``kernels=True`` (the TPU's form): every pass over the outputs runs in the Pallas kernels of
+    :mod:`nash_mhc.ops.aggregation_kernels`: forward, the Gram matrix and scale in one read of the outputs and the
+    weighted sum in another; backward, the dots with the sum's cotangent, then every output's gradient in one pass
+    (:func:`_pullback_coefficients`). ``interpret=True`` runs those kernels in Pallas' interpreter.
     """
     if num_iters < 1:
         raise ValueError(f"nash_aggregate needs num_iters >= 1, got {num_iters}")
     available = jnp.broadcast_to(available, (*outputs[0].shape[:-1], len(outputs)))
-    return _nash_aggregate(tuple(outputs), available, prior, temperature, num_iters)
+    return _nash_aggregate(tuple(outputs), available, prior, temperature, num_iters, (kernels, interpret))
+
+
+def _gram_from_sums(sums: jax.Array, available: jax.Array, dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(raw, scale) of :func:`centred_gram` from the gram kernel's sums [..., K]
+    (:func:`aggregation_kernels.gram_sums`), and whether the scale was kept (above :data:`SCALE_FLOOR`)."""
+    scales = available.shape[-1]
+    count = jnp.maximum(jnp.sum(available, axis=-1), 1)
+    scale = sum(sums[..., s] / dim for s in range(scales)) / count
+    entries = {pair: sums[..., scales + k] / dim for k, pair in enumerate(aggregation_kernels.pairs(scales))}
+    rows = [jnp.stack([entries[min(i, j), max(i, j)] for j in range(scales)], axis=-1) for i in range(scales)]
+    kept = scale > SCALE_FLOOR
+    return jnp.stack(rows, axis=-2), jnp.where(kept, scale, 1.0), kept
+
+
+def _pullback_coefficients(available: jax.Array, weights: jax.Array, kept: jax.Array, d_raw: jax.Array,
+                           d_scale: jax.Array, dim: int) -> jax.Array:
+    """The per-position coefficients [..., P] of :func:`aggregation_kernels.gram_pullback` (a, A row-major, w, s,
+    count: its module docstring) from the game's backward pass: A = (d_raw + d_rawᵀ) / D and s = 2 d_scale /
+    (D count) where the scale was ``kept``, else 0. Then dO_l = a_l (dc_l - sum_m a_m dc_m / count + s o_l) + w_l g
+    is the outputs' gradient through the weighted sum and through (raw, scale) = :func:`centred_gram`."""
+    mask = available.astype(d_raw.dtype)
+    count = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+    area = (d_raw + jnp.swapaxes(d_raw, -1, -2)) / dim
+    square = (jnp.where(kept, d_scale, 0.0) * 2.0 / dim) / count
+    return jnp.concatenate([mask, area.reshape(*area.shape[:-2], -1), weights, square[..., None], count[..., None]],
+                           axis=-1)
 
 
 def _nash_forward(outputs: tuple[jax.Array, ...], available: jax.Array, prior: jax.Array, temperature: jax.Array,
-                  num_iters: int) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
-    outputs = jax.lax.optimization_barrier(outputs)
-    raw, scale = centred_gram(outputs, available)
+                  num_iters: int, kernels: tuple[bool, bool]) -> tuple[jax.Array, jax.Array, jax.Array, Any, Any]:
+    """(combined, weights, residual, the game's pullback, whether the scale was kept: kernels only, else None)."""
+    kept = None
+    if kernels[0]:
+        sums = aggregation_kernels.gram_sums(outputs, available, interpret=kernels[1])
+        raw, scale, kept = _gram_from_sums(sums, available, outputs[0].shape[-1])
+    else:
+        outputs = jax.lax.optimization_barrier(outputs)
+        raw, scale = centred_gram(outputs, available)
     (weights, residual), game_vjp = jax.vjp(
         lambda r, s, p, t: _equilibrium(r, s, available, p, t, num_iters), raw, scale, prior, temperature)
-    return combine(outputs, weights), weights, residual, game_vjp
+    if kernels[0]:
+        return (aggregation_kernels.weighted_sum(outputs, weights, interpret=kernels[1]), weights, residual, game_vjp,
+                kept)
+    return combine(outputs, weights), weights, residual, game_vjp, kept
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _nash_aggregate(outputs: tuple[jax.Array, ...], available: jax.Array, prior: jax.Array, temperature: jax.Array,
-                    num_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return _nash_forward(outputs, available, prior, temperature, num_iters)[:3]
+                    num_iters: int, kernels: tuple[bool, bool]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return _nash_forward(outputs, available, prior, temperature, num_iters, kernels)[:3]
 
 
 def _nash_aggregate_fwd(outputs: tuple[jax.Array, ...], available: jax.Array, prior: jax.Array,
-                        temperature: jax.Array, num_iters: int) -> tuple[tuple[jax.Array, ...], tuple[Any, ...]]:
-    combined, weights, residual, game_vjp = _nash_forward(outputs, available, prior, temperature, num_iters)
-    return (combined, weights, residual), (outputs, available, weights, game_vjp)
+                        temperature: jax.Array, num_iters: int, kernels: tuple[bool, bool]
+                        ) -> tuple[tuple[jax.Array, ...], tuple[Any, ...]]:
+    combined, weights, residual, game_vjp, kept = _nash_forward(outputs, available, prior, temperature, num_iters,
+                                                                kernels)
+    return (combined, weights, residual), (outputs, available, weights, game_vjp, kept)
 
 
-def _nash_aggregate_bwd(num_iters: int, saved: tuple[Any, ...], cotangents: tuple[jax.Array, ...]
-                        ) -> tuple[Any, ...]:
+def _nash_aggregate_bwd(num_iters: int, kernels: tuple[bool, bool], saved: tuple[Any, ...],
+                        cotangents: tuple[jax.Array, ...]) -> tuple[Any, ...]:
     del num_iters
-    outputs, available, weights, game_vjp = saved
+    outputs, available, weights, game_vjp, kept = saved
     d_combined, d_weights, d_residual = cotangents
-    wide = [x.astype(weights.dtype) for x in jax.lax.optimization_barrier(outputs)]
+    if kernels[0]:  # the weights' gradient through sum_l w_l O_l, the game's, then the outputs' in one pass
+        d_weights = d_weights + aggregation_kernels.output_dots(outputs, d_combined, interpret=kernels[1])
+        d_raw, d_scale, d_prior, d_temperature = game_vjp((d_weights, d_residual))
+        coefficients = _pullback_coefficients(available, weights, kept, d_raw, d_scale, outputs[0].shape[-1])
+        d_outputs = aggregation_kernels.gram_pullback(outputs, d_combined, coefficients, interpret=kernels[1])
+        return d_outputs, None, d_prior, d_temperature
     d_sum = d_combined.astype(weights.dtype)
+    wide = [x.astype(weights.dtype) for x in jax.lax.optimization_barrier(outputs)]
     d_weights = d_weights + jnp.stack([jnp.sum(x * d_sum, axis=-1) for x in wide], axis=-1)  # sum_l w_l O_l
     d_raw, d_scale, d_prior, d_temperature = game_vjp((d_weights, d_residual))
     d_wide = jax.vjp(lambda o: centred_gram(o, available), wide)[1]((d_raw, d_scale))[0]

@@ -1,0 +1,296 @@
+"""The Nash aggregation's passes over the scale outputs as Pallas TPU kernels: the outputs read once per pass.
+
+For the L scale outputs O_l [T, D] and their availability a [T, L] (1 where scale l exists at the position):
+
+    o_l = O_l where a_l else 0        mean = sum_l o_l / count (count = max(sum_l a_l, 1))        c_l = (o_l - mean) a_l
+
+    sums[:, l] = sum_d o_l²  (l < L),  sums[:, L + k] = sum_d c_i c_j  (k-th pair i <= j)       kernel "gram"
+    out = sum_l w_l O_l                                                                       kernel "combine"
+    dots[:, l] = sum_d O_l g                      (g [T, D]: the cotangent of out)           kernel "dots"
+    dO_l = a_l (dc_l - sum_m a_m dc_m / count + s o_l) + w_l g,   dc_l = sum_m A_lm c_m       kernel "pullback"
+
+"gram" gives the game its Gram matrix and scale (:func:`nash_mhc.ops.aggregation.centred_gram`), "combine" the
+weighted sum, "dots" the weights' gradient through it, and "pullback" the outputs' whole gradient from the
+per-position coefficients of the game's backward pass (A = (dRaw + dRawᵀ) / D, s = 2 dS / (D count) where the
+scale was kept, w). In XLA, the TPU compiler ran the reductions over D, and the elementwise passes that broadcast a
+per-position number over D, on copies of the outputs transposed to put the positions in the lanes (about 1.5e6
+cycles per copy of one `1b` output, docs/tpu.md); reading the three outputs once takes about 4e5. In a kernel a
+per-position number is one column of a [tokens, k] tile, broadcast over the lanes on chip. Every kernel walks
+tiles of [tokens, D-columns]; the reductions add each tile's float32 sums into the token tile's row of the result
+(the grid's inner axis runs over the columns). Everything is computed in float32 and rounded once.
+
+Each ``pallas_call`` declares its cost (:func:`kernel_costs`). The kernels run on TPU only (the aggregation layer
+dispatches with ``jax.lax.platform_dependent``); ``interpret=True`` runs them in Pallas' interpreter (CPU tests).
+Each kernel's body is also its XLA form (applied to whole [T, D] arrays), used where no tile divides a shard's
+(T, D); in that form the pullback computes in its coefficients' dtype (float64 in the gradient checks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from nash_mhc.ops.stream_mix import mix_blocks
+from nash_mhc.sharding import per_shard
+
+F32 = jnp.float32
+TOKENS, COLUMNS = ("tokens", "features"), ("tokens", "scales")  # logical names for per_shard
+
+
+def pairs(scales: int) -> list[tuple[int, int]]:
+    """The (i, j), i <= j, whose centred products ``sums[:, L + k]`` holds, in order."""
+    return [(i, j) for i in range(scales) for j in range(i, scales)]
+
+
+def stat_columns(scales: int) -> int:
+    """Columns of :func:`gram_sums`: L sums of squares, then L (L + 1) / 2 centred products."""
+    return scales + len(pairs(scales))
+
+
+def pullback_columns(scales: int) -> int:
+    """Columns of the pullback's coefficients: a (L), A (L x L, row-major), w (L), s, count."""
+    return 2 * scales + scales * scales + 2
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCosts:
+    """The declared cost of each kernel for one call."""
+
+    gram: pl.CostEstimate
+    combine: pl.CostEstimate
+    dots: pl.CostEstimate
+    pullback: pl.CostEstimate
+
+
+def kernel_costs(scales: int, tokens: int, dim: int, x_bytes: int, g_bytes: int) -> KernelCosts:
+    """FLOPs and HBM bytes of the kernels for L outputs [T, D] of itemsize ``x_bytes`` (g and out of ``g_bytes``).
+
+    Per output element: the mask and the mean cost 2 L + 1 (L selects, L adds, a divide), the centring 2 L
+    (subtract, mask). gram: the mean, the centring and one multiply-add per sum (K = :func:`stat_columns`); reads
+    the outputs once and the float32 mask [T, L] once per token tile, writes float32 sums [T, K]. combine: L
+    multiply-adds; reads the outputs and the float32 weights [T, L], writes out. dots: L multiply-adds; reads the
+    outputs and g, writes float32 dots [T, L]. pullback: the mean and the centring, L² multiply-adds (dc), L more
+    and a divide (the mean's share), and per output a subtract, a multiply-add (s o), a select and a multiply-add
+    (w g); reads the outputs, g and the float32 coefficients [T, P] (P = :func:`pullback_columns`), writes the L
+    gradients in the outputs' dtype."""
+    elems = tokens * dim
+    outputs, g = scales * elems * x_bytes, elems * g_bytes
+    mean_centred = 4 * scales + 1
+    gram = pl.CostEstimate(flops=(mean_centred + 2 * stat_columns(scales)) * elems, transcendentals=0,
+                           bytes_accessed=outputs + tokens * scales * 4 + tokens * stat_columns(scales) * 4)
+    combine = pl.CostEstimate(flops=2 * scales * elems, transcendentals=0,
+                              bytes_accessed=outputs + tokens * scales * 4 + g)
+    dots = pl.CostEstimate(flops=2 * scales * elems, transcendentals=0,
+                           bytes_accessed=outputs + g + tokens * scales * 4)
+    pullback = pl.CostEstimate(
+        flops=(mean_centred + 2 * scales * scales + 2 * scales + 1 + 6 * scales) * elems, transcendentals=0,
+        bytes_accessed=2 * outputs + g + tokens * pullback_columns(scales) * 4)
+    return KernelCosts(gram, combine, dots, pullback)
+
+
+# --------------------------------------------------- the passes, on [rows, D] tiles or whole arrays alike
+def _centred(outputs: Sequence[jax.Array], mask: jax.Array, count: jax.Array, dtype
+             ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+    """(a_l [.., 1], o_l, c_l) of the module docstring; ``mask`` [.., L] is 1 where the scale is available."""
+    a = [mask[..., s:s + 1] for s in range(len(outputs))]
+    o = [jnp.where(m > 0, x.astype(dtype), 0.0) for m, x in zip(a, outputs, strict=True)]
+    mean = sum(o) / count
+    return a, o, [(x - mean) * m for x, m in zip(o, a, strict=True)]
+
+
+def _gram_columns(outputs: Sequence[jax.Array], mask: jax.Array) -> list[jax.Array]:
+    """The K float32 arrays whose sums over D are :func:`gram_sums`' columns (the centring of
+    :func:`nash_mhc.ops.aggregation.centred_gram`)."""
+    count = jnp.maximum(sum(mask[..., s:s + 1] for s in range(len(outputs))), 1.0)
+    _, o, c = _centred(outputs, mask, count, F32)
+    return [x * x for x in o] + [c[i] * c[j] for i, j in pairs(len(outputs))]
+
+
+def _combine(outputs: Sequence[jax.Array], weights: jax.Array) -> jax.Array:
+    """sum_l w_l O_l in float32, in the outputs' dtype (:func:`nash_mhc.ops.aggregation.combine`)."""
+    out = sum(weights[..., s:s + 1] * x.astype(weights.dtype) for s, x in enumerate(outputs))
+    return out.astype(outputs[0].dtype)
+
+
+def _pullback(outputs: Sequence[jax.Array], g: jax.Array, coefficients: jax.Array) -> list[jax.Array]:
+    """dO_l of the module docstring, computed in the coefficients' dtype, in the outputs' dtype."""
+    scales, dtype = len(outputs), coefficients.dtype
+
+    def column(k: int) -> jax.Array:
+        return coefficients[..., k:k + 1]
+    area = 2 * scales + scales * scales
+    square, count = column(area), column(area + 1)
+    a, o, c = _centred(outputs, coefficients[..., :scales], count, dtype)
+    dc = [sum(column(scales + i * scales + j) * cj for j, cj in enumerate(c)) for i in range(scales)]
+    d_mean = sum(m * d for m, d in zip(a, dc, strict=True)) / count
+    g = g.astype(dtype)
+    return [(jnp.where(m > 0, d - d_mean + square * x, 0.0) + column(scales + scales * scales + s) * g
+             ).astype(outputs[s].dtype) for s, (m, d, x) in enumerate(zip(a, dc, o, strict=True))]
+
+
+def _reduce(values: list[jax.Array]) -> jax.Array:
+    return jnp.stack([jnp.sum(v, axis=-1) for v in values], axis=-1)
+
+
+# -------------------------------------------------------------------------------------------- kernels
+def _accumulate(out_ref, values: list[jax.Array]) -> None:
+    """Adds the sum over the tile's columns of each value [tm, td] into column k of the token tile's row."""
+    lane = lax.broadcasted_iota(jnp.int32, out_ref.shape, 1)
+    partial = jnp.zeros(out_ref.shape, F32)
+    for k, value in enumerate(values):
+        partial = jnp.where(lane == k, jnp.sum(value, axis=1, keepdims=True), partial)
+
+    @pl.when(pl.program_id(1) == 0)
+    def _start():
+        out_ref[...] = jnp.zeros(out_ref.shape, F32)
+
+    out_ref[...] += partial
+
+
+def _gram_kernel(*refs):
+    *o_refs, mask_ref, out_ref = refs
+    _accumulate(out_ref, _gram_columns([r[...] for r in o_refs], mask_ref[...]))
+
+
+def _dots_kernel(*refs):
+    *o_refs, g_ref, out_ref = refs
+    g = g_ref[...].astype(F32)
+    _accumulate(out_ref, [r[...].astype(F32) * g for r in o_refs])
+
+
+def _combine_kernel(*refs):
+    *o_refs, w_ref, out_ref = refs
+    out_ref[...] = _combine([r[...] for r in o_refs], w_ref[...])
+
+
+def _pullback_kernel(*refs):
+    scales = (len(refs) - 2) // 2
+    o_refs, (g_ref, coefficients_ref), d_refs = refs[:scales], refs[scales:scales + 2], refs[scales + 2:]
+    for d_ref, d in zip(d_refs, _pullback([r[...] for r in o_refs], g_ref[...], coefficients_ref[...]), strict=True):
+        d_ref[...] = d
+
+
+def _tiles(blocks: tuple[int, int] | None, tokens: int, dim: int) -> tuple[int, int] | None:
+    blocks = mix_blocks(tokens, dim) if blocks is None else blocks
+    if blocks is not None and (tokens % blocks[0] or blocks[0] % 8 or dim % blocks[1]):
+        raise ValueError(f"aggregation kernels need tiles that divide (tokens, dim) = ({tokens}, {dim}) with a "
+                         f"token tile that is a multiple of 8, got {blocks}")
+    return blocks
+
+
+def _run(kernel, xla, arrays, small, out, reduce, *, blocks, interpret, cost) -> tuple[jax.Array, ...]:
+    """The results (a tuple) of ``kernel`` on one shard's [T, D] ``arrays`` (and the [T, k] ``small``, or None), or
+    of ``xla`` (a list) where no tile divides the shard."""
+    operands = [*arrays] + ([small] if small is not None else [])
+    tokens, dim = arrays[0].shape
+    tiles = _tiles(blocks, tokens, dim)
+    if tiles is None:
+        return tuple(xla(*operands))
+    tm, td = tiles
+    tile = pl.BlockSpec((tm, td), lambda t, d: (t, d))
+    specs = [tile] * len(arrays) + ([pl.BlockSpec((tm, small.shape[1]), lambda t, d: (t, 0))]
+                                    if small is not None else [])
+    out_specs = [pl.BlockSpec((tm, o.shape[1]), lambda t, d: (t, 0)) if reduce else tile for o in out]
+    result = pl.pallas_call(
+        kernel, grid=(tokens // tm, dim // td), in_specs=specs, out_specs=out_specs, out_shape=list(out),
+        cost_estimate=cost(arrays), interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary" if reduce else "parallel"))
+    )(*operands)
+    return tuple(result)
+
+
+def _costs(arrays, g_bytes: int | None = None) -> KernelCosts:
+    (tokens, dim), scales = arrays[0].shape, len(arrays)
+    x_bytes = arrays[0].dtype.itemsize
+    return kernel_costs(scales, tokens, dim, x_bytes, x_bytes if g_bytes is None else g_bytes)
+
+
+def _gram_shard(*operands, blocks, interpret):
+    *outputs, mask = operands
+    columns = stat_columns(len(outputs))
+    return _run(_gram_kernel, lambda *a: [_reduce(_gram_columns(a[:-1], a[-1]))], outputs, mask,
+                [jax.ShapeDtypeStruct((outputs[0].shape[0], columns), F32)], True, blocks=blocks,
+                interpret=interpret, cost=lambda a: _costs(a).gram)[0]
+
+
+def _dots_shard(*operands, blocks, interpret):
+    *outputs, g = operands
+    return _run(_dots_kernel, lambda *a: [_reduce([x.astype(F32) * a[-1].astype(F32) for x in a[:-1]])],
+                [*outputs, g], None, [jax.ShapeDtypeStruct((g.shape[0], len(outputs)), F32)], True,
+                blocks=blocks, interpret=interpret, cost=lambda a: _costs(a[:-1], g.dtype.itemsize).dots)[0]
+
+
+def _combine_shard(*operands, blocks, interpret):
+    *outputs, weights = operands
+    return _run(_combine_kernel, lambda *a: [_combine(a[:-1], a[-1])], outputs, weights,
+                [jax.ShapeDtypeStruct(outputs[0].shape, outputs[0].dtype)], False, blocks=blocks,
+                interpret=interpret, cost=lambda a: _costs(a).combine)[0]
+
+
+def _pullback_shard(*operands, blocks, interpret):
+    *outputs, g, coefficients = operands
+    return _run(_pullback_kernel, lambda *a: _pullback(a[:-2], a[-2], a[-1]), [*outputs, g], coefficients,
+                [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outputs], False, blocks=blocks,
+                interpret=interpret, cost=lambda a: _costs(a[:-1], g.dtype.itemsize).pullback)
+
+
+# ---------------------------------------------------------------------------------------------- public
+def _flat(a: jax.Array) -> jax.Array:
+    return a.reshape(-1, a.shape[-1])
+
+
+def _sharded(shard, arrays: Sequence[jax.Array], small: Sequence[jax.Array], out_names, blocks, interpret):
+    """``shard`` on each device's positions of the flattened [..., D] ``arrays`` and [..., k] ``small``."""
+    run = functools.partial(shard, blocks=blocks, interpret=interpret)
+    names = (TOKENS,) * len(arrays) + (COLUMNS,) * len(small)
+    return per_shard(run, names, out_names)(*map(_flat, arrays), *map(_flat, small))
+
+
+def gram_sums(outputs: Sequence[jax.Array], available: jax.Array, *, blocks: tuple[int, int] | None = None,
+              interpret: bool = False) -> jax.Array:
+    """The gram kernel's sums [..., K] float32 (module docstring) of the L outputs O_l [..., D] (any float dtype)
+    and ``available`` [..., L] (bool), on each device's positions (:func:`nash_mhc.sharding.per_shard`).
+
+    ``blocks``: (token tile, column tile) of the flattened positions, default
+    :func:`nash_mhc.ops.stream_mix.mix_blocks` of each shard, and the XLA form where none divides; ValueError
+    when given tiles do not divide. The same for every function below."""
+    sums = _sharded(_gram_shard, outputs, [available.astype(F32)], COLUMNS, blocks, interpret)
+    return sums.reshape(*outputs[0].shape[:-1], sums.shape[-1])
+
+
+def weighted_sum(outputs: Sequence[jax.Array], weights: jax.Array, *, blocks: tuple[int, int] | None = None,
+                 interpret: bool = False) -> jax.Array:
+    """The combine kernel's sum_l w_l O_l [..., D] in the outputs' dtype, weights [..., L] float32."""
+    out = _sharded(_combine_shard, outputs, [weights.astype(F32)], TOKENS, blocks, interpret)
+    return out.reshape(outputs[0].shape)
+
+
+def output_dots(outputs: Sequence[jax.Array], g: jax.Array, *, blocks: tuple[int, int] | None = None,
+                interpret: bool = False) -> jax.Array:
+    """The dots kernel's sum_d O_l g [..., L] float32 of the L outputs O_l [..., D] and g [..., D]."""
+    dots = _sharded(_dots_shard, [*outputs, g], [], COLUMNS, blocks, interpret)
+    return dots.reshape(*outputs[0].shape[:-1], len(outputs))
+
+
+def gram_pullback(outputs: Sequence[jax.Array], g: jax.Array, coefficients: jax.Array, *,
+                  blocks: tuple[int, int] | None = None, interpret: bool = False) -> tuple[jax.Array, ...]:
+    """The pullback kernel's dO_l [..., D] (module docstring), each in its output's dtype, of the L outputs, g
+    [..., D] and the float32 coefficients [..., P] (:func:`pullback_columns`: a, A row-major, w, s, count)."""
+    grads = _sharded(_pullback_shard, [*outputs, g], [coefficients], (TOKENS,) * len(outputs), blocks, interpret)
+    return tuple(d.reshape(x.shape) for d, x in zip(grads, outputs, strict=True))
+
+
+def pullback_xla(outputs: Sequence[jax.Array], g: jax.Array, coefficients: jax.Array) -> list[jax.Array]:
+    """:func:`gram_pullback`'s XLA form on whole arrays, computed in the coefficients' dtype (float64 checks)."""
+    return _pullback(outputs, g, coefficients)
+
+
+__all__ = ["KernelCosts", "gram_pullback", "gram_sums", "kernel_costs", "output_dots", "pairs", "pullback_columns",
+           "pullback_xla", "stat_columns", "weighted_sum"]
