@@ -57,14 +57,16 @@ def _downsample_chunked(x: jax.Array, weights: jax.Array) -> jax.Array:
     exact) groups the positions by their offset o in the block, so the weighted sum over o adds whole slabs.
 
     Summing over o in place reduces across the (8, 128) tile's sublanes, which the TPU compiler costs at ~12x the
-    array's bandwidth time (docs/tpu.md). Products and sum in float32, like the XLA form's.
+    array's bandwidth time (docs/tpu.md). Products and sum in float32, like the XLA form's. The permutation is
+    broadcast over the batch and chunks, so the matmul is batched over them and keeps D minor in both passes (an
+    unbatched one came out with the positions minor and was copied back: docs/tpu.md).
     """
     *batch, seq, dim = x.shape
     block = weights.shape[0]
     per_chunk = CHUNK // block
     order = np.arange(CHUNK).reshape(per_chunk, block).T.reshape(-1)  # row o·(C/s) + j reads position j·s + o
-    permutation = jnp.asarray(np.eye(CHUNK)[order], x.dtype)
-    grouped = jnp.einsum("pt,...ctd->...cpd", permutation, x.reshape(*batch, seq // CHUNK, CHUNK, dim),
+    permutation = jnp.broadcast_to(jnp.asarray(np.eye(CHUNK)[order], x.dtype), (*batch, seq // CHUNK, CHUNK, CHUNK))
+    grouped = jnp.einsum("...cpt,...ctd->...cpd", permutation, x.reshape(*batch, seq // CHUNK, CHUNK, dim),
                          precision=jax.lax.Precision.HIGHEST)
     grouped = grouped.reshape(*batch, seq // CHUNK, block, per_chunk, dim)
     total = sum(grouped[..., o, :, :].astype(jnp.float32) * weights[o].astype(jnp.float32) for o in range(block))
@@ -126,13 +128,15 @@ def upsample_shifted(y: Float[Array, "*batch blocks dim"], seq_len: int, block: 
 def _upsample_chunked(y: jax.Array, block: int) -> jax.Array:
     """:func:`upsample_shifted` for TPUs: each chunk of :data:`CHUNK` fine positions is a one-hot matmul (exact) of
     its own C/s coarse outputs and the previous chunk's last one, so the shift by s - 1 positions never moves a
-    fine-length array across the (8, 128) tile's sublanes."""
+    fine-length array across the (8, 128) tile's sublanes. Batched over the batch and chunks, like
+    :func:`_downsample_chunked`'s, so its output and its gradient keep D minor."""
     *batch, blocks, dim = y.shape
     per_chunk, chunks = CHUNK // block, blocks * block // CHUNK
     own = y.reshape(*batch, chunks, per_chunk, dim)
     previous = jnp.concatenate([jnp.zeros((*batch, 1, 1, dim), y.dtype), own[..., :-1, -1:, :]], axis=-3)
     source = jnp.concatenate([previous, own], axis=-2)  # [..., chunks, 1 + C/s, D]: entry k is coarse block k - 1
     reads = (np.arange(CHUNK) + 1) // block  # fine position i of a chunk reads entry ⌊(i+1)/s⌋
-    selection = jnp.asarray(np.eye(per_chunk + 1)[reads], y.dtype)
-    up = jnp.einsum("ik,...ckd->...cid", selection, source, precision=jax.lax.Precision.HIGHEST)
+    selection = jnp.broadcast_to(jnp.asarray(np.eye(per_chunk + 1)[reads], y.dtype),
+                                 (*batch, chunks, CHUNK, per_chunk + 1))
+    up = jnp.einsum("...cik,...ckd->...cid", selection, source, precision=jax.lax.Precision.HIGHEST)
     return up.reshape(*batch, chunks * CHUNK, dim)
