@@ -439,10 +439,10 @@ def _pullback_coefficients(available: jax.Array, weights: jax.Array, kept: jax.A
     is the outputs' gradient through the weighted sum and through (raw, scale) = :func:`centred_gram`."""
     mask = available.astype(d_raw.dtype)
     count = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
-    area = (d_raw + jnp.swapaxes(d_raw, -1, -2)) / dim
+    symmetric = (d_raw + jnp.swapaxes(d_raw, -1, -2)) / dim
     square = (jnp.where(kept, d_scale, 0.0) * 2.0 / dim) / count
-    return jnp.concatenate([mask, area.reshape(*area.shape[:-2], -1), weights, square[..., None], count[..., None]],
-                           axis=-1)
+    return jnp.concatenate([mask, symmetric.reshape(*symmetric.shape[:-2], -1), weights, square[..., None],
+                            count[..., None]], axis=-1)
 
 
 def _nash_forward(outputs: tuple[jax.Array, ...], available: jax.Array, prior: jax.Array, temperature: jax.Array,
@@ -528,8 +528,7 @@ def gate_weights(outputs: Sequence[Float[Array, "*batch dim"]], available: Bool[
 def combine(outputs: Sequence[Float[Array, "*batch dim"]], weights: Float[Array, "*batch scales"]
             ) -> Float[Array, "*batch dim"]:
     """sum_l w_l O_l of the L outputs O_l [..., D] in float32, returned in the outputs' dtype."""
-    out = sum(weights[..., s, None] * x.astype(weights.dtype) for s, x in enumerate(outputs))
-    return out.astype(outputs[0].dtype)
+    return aggregation_kernels.weighted_sum_xla(outputs, weights)
 
 
 @jaxtyped(typechecker=beartype)

@@ -113,8 +113,9 @@ def _gram_columns(outputs: Sequence[jax.Array], mask: jax.Array) -> list[jax.Arr
     return [x * x for x in o] + [c[i] * c[j] for i, j in pairs(len(outputs))]
 
 
-def _combine(outputs: Sequence[jax.Array], weights: jax.Array) -> jax.Array:
-    """sum_l w_l O_l in float32, in the outputs' dtype (:func:`nash_mhc.ops.aggregation.combine`)."""
+def weighted_sum_xla(outputs: Sequence[jax.Array], weights: jax.Array) -> jax.Array:
+    """sum_l w_l O_l computed in the weights' dtype, returned in the outputs' dtype: the combine kernel's body and
+    the XLA form (:func:`nash_mhc.ops.aggregation.combine`)."""
     out = sum(weights[..., s:s + 1] * x.astype(weights.dtype) for s, x in enumerate(outputs))
     return out.astype(outputs[0].dtype)
 
@@ -125,8 +126,8 @@ def _pullback(outputs: Sequence[jax.Array], g: jax.Array, coefficients: jax.Arra
 
     def column(k: int) -> jax.Array:
         return coefficients[..., k:k + 1]
-    area = 2 * scales + scales * scales
-    square, count = column(area), column(area + 1)
+    after_weights = 2 * scales + scales * scales  # the columns s and count follow a, A and w
+    square, count = column(after_weights), column(after_weights + 1)
     a, o, c = _centred(outputs, coefficients[..., :scales], count, dtype)
     dc = [sum(column(scales + i * scales + j) * cj for j, cj in enumerate(c)) for i in range(scales)]
     d_mean = sum(m * d for m, d in zip(a, dc, strict=True)) / count
@@ -167,7 +168,7 @@ def _dots_kernel(*refs):
 
 def _combine_kernel(*refs):
     *o_refs, w_ref, out_ref = refs
-    out_ref[...] = _combine([r[...] for r in o_refs], w_ref[...])
+    out_ref[...] = weighted_sum_xla([r[...] for r in o_refs], w_ref[...])
 
 
 def _pullback_kernel(*refs):
@@ -229,7 +230,7 @@ def _dots_shard(*operands, blocks, interpret):
 
 def _combine_shard(*operands, blocks, interpret):
     *outputs, weights = operands
-    return _run(_combine_kernel, lambda *a: [_combine(a[:-1], a[-1])], outputs, weights,
+    return _run(_combine_kernel, lambda *a: [weighted_sum_xla(a[:-1], a[-1])], outputs, weights,
                 [jax.ShapeDtypeStruct(outputs[0].shape, outputs[0].dtype)], False, blocks=blocks,
                 interpret=interpret, cost=lambda a: _costs(a).combine)[0]
 
@@ -293,4 +294,4 @@ def pullback_xla(outputs: Sequence[jax.Array], g: jax.Array, coefficients: jax.A
 
 
 __all__ = ["KernelCosts", "gram_pullback", "gram_sums", "kernel_costs", "output_dots", "pairs", "pullback_columns",
-           "pullback_xla", "stat_columns", "weighted_sum"]
+           "pullback_xla", "stat_columns", "weighted_sum", "weighted_sum_xla"]
