@@ -3,6 +3,7 @@ a few train steps, and what Pallas kernels declare and move."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -62,14 +63,13 @@ def declared(fn: Any, *args: Any) -> list[Any]:
     return found
 
 
-def moved(grid: tuple[int, int], operands: list[tuple[int, Any]]) -> int:
-    """HBM bytes of a two-axis grid walked in order (the second axis innermost), an operand's tile moved whenever
-    its block index differs from the previous step's; ``operands`` are (tile bytes, index(outer, inner))."""
+def moved(grid: tuple[int, ...], operands: list[tuple[int, Any]]) -> int:
+    """HBM bytes of a grid walked in order (the last axis innermost), an operand's tile moved whenever its block
+    index differs from the previous step's; ``operands`` are (tile bytes, index(*program ids))."""
     total = 0
     for tile_bytes, index in operands:
         last = None
-        for outer in range(grid[0]):
-            for inner in range(grid[1]):
-                total += tile_bytes * (index(outer, inner) != last)
-                last = index(outer, inner)
+        for ids in itertools.product(*map(range, grid)):
+            total += tile_bytes * (index(*ids) != last)
+            last = index(*ids)
     return total

@@ -88,6 +88,23 @@ MUTATIONS = {
     "Nash kernels' backward ignores the scale floor": ("nash_mhc/ops/aggregation.py",
                                                        [("jnp.where(kept, d_scale, 0.0)", "d_scale")],
                                                        ["tests/test_aggregation_kernels.py"]),
+    "downsampling kernel reads offset 0 twice": ("nash_mhc/ops/downsample_kernel.py",
+                                                 [("wide_ref[pl.ds(o, coarse, stride=block), :] * w[o:o + 1, :]",
+                                                   "wide_ref[pl.ds(0, coarse, stride=block), :] * w[o:o + 1, :]")],
+                                                 ["tests/test_downsample_kernel.py"]),
+    "downsampling backward writes dx before reading x": ("nash_mhc/ops/downsample_kernel.py",
+                                                         [("        dw_ref[o:o + 1, :] = jnp.sum(wide_ref[at, :] * g, "
+                                                           "axis=0, keepdims=True)\n"
+                                                           "        wide_ref[at, :] = g * w[o:o + 1, :]",
+                                                           "        wide_ref[at, :] = g * w[o:o + 1, :]\n"
+                                                           "        dw_ref[o:o + 1, :] = jnp.sum(wide_ref[at, :] * g, "
+                                                           "axis=0, keepdims=True)")],
+                                                         ["tests/test_downsample_kernel.py"]),
+    "downsampling cost fetches w once per tile": ("nash_mhc/ops/downsample_kernel.py",
+                                                  [("x, w, coarse = elems * x_bytes, block * dim * w_bytes,",
+                                                    "x, w, coarse = elems * x_bytes, block * dim * w_bytes * "
+                                                    "(seq // rows) * sequences,")],
+                                                  ["tests/test_downsample_kernel.py"]),
     "gate reads scale 0 alone": ("nash_mhc/ops/aggregation.py",
                                  [("for m, x in enumerate(o))", "for m, x in enumerate(o[:1]))")],
                                  [REFERENCE, "tests/test_nash.py"]),

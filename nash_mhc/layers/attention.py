@@ -12,7 +12,7 @@ from nash_mhc.layers.aggregation import ScaleAggregation
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
 from nash_mhc.ops.attention import causal_attention, cudnn_causal_attention, cudnn_usable
 from nash_mhc.ops.flash_attention import flash_block, flash_causal_attention
-from nash_mhc.ops.multiscale import downsample, renormalise, upsample_shifted
+from nash_mhc.ops.multiscale import downsample, downsample_heads, renormalise, upsample_shifted
 from nash_mhc.ops.rope import rope
 from nash_mhc.params import param
 from nash_mhc.sharding import constrain_batch, per_shard_attention
@@ -146,10 +146,9 @@ class MultiscaleAttention(eqx.Module):
             entropy = residual = jnp.zeros((batch, seq), jnp.float32)
         else:
             outputs, masks = [fine.reshape(batch, seq, dim)], [jnp.ones((seq,), bool)]
-            v_flat = v.reshape(batch, seq, dim)
             for level, block in enumerate(self.block_sizes[1:], start=1):
                 x_l = self.coarse_input(level, x)
-                v_l = downsample(v_flat, self.down[level - 1].astype(dt)).reshape(batch, -1, heads, head_dim)
+                v_l = downsample_heads(v, self.down[level - 1].astype(dt))
                 o_l = self._scale(level, x_l, v_l).reshape(batch, -1, dim)
                 up, avail = upsample_shifted(o_l, seq, block)
                 outputs.append(up)

@@ -10,6 +10,8 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
+from nash_mhc.ops.downsample_kernel import downsample_heads_kernel, downsample_kernel, row_tile
+
 CHUNK = 128  # positions per chunk of the matmul forms (TPU): a multiple of every block size they serve
 
 
@@ -33,18 +35,44 @@ def downsample(x: Float[Array, "*batch seq dim"], weights: Float[Array, "block d
     if pad:
         x = jnp.concatenate([x, jnp.zeros((*batch, pad, dim), x.dtype)], axis=-2)
     weights = weights.astype(x.dtype)
+    if row_tile(blocks * block, dim, block) is not None and block > 1:
+        tpu = downsample_kernel  # strided loads of each block's positions (ops.downsample_kernel)
+    elif _chunked(blocks * block, block):
+        tpu = _downsample_chunked
+    else:
+        return _downsample_xla(x, weights)
+    return jax.lax.platform_dependent(x, weights, tpu=tpu, default=_downsample_xla)
 
-    def xla(x: jax.Array, weights: jax.Array) -> jax.Array:
-        # A reduction over the block's offsets, products and sum in float32 (float64 for float64 x). The einsum
-        # "...bod,od->...bd" is a matmul batched over D: XLA CPU transposed x to D-major for it and for each of its
-        # gradients, 4-7 x the time of this form's forward + backward (benchmarks/README.md).
-        wide = jnp.promote_types(x.dtype, jnp.float32)
-        blocked = x.reshape(*batch, blocks, block, dim).astype(wide)
-        return jnp.sum(blocked * weights.astype(wide), axis=-2).astype(x.dtype)
 
-    if not _chunked(blocks * block, block):
-        return xla(x, weights)
-    return jax.lax.platform_dependent(x, weights, tpu=_downsample_chunked, default=xla)
+def _downsample_xla(x: jax.Array, weights: jax.Array) -> jax.Array:
+    """:func:`downsample` of whole blocks in XLA: a reduction over the block's offsets, products and sum in float32
+    (float64 for float64 x). The einsum "...bod,od->...bd" is a matmul batched over D: XLA CPU transposed x to
+    D-major for it and for each of its gradients, 4-7 x the time of this form's forward + backward
+    (benchmarks/README.md)."""
+    *batch, seq, dim = x.shape
+    block = weights.shape[0]
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    blocked = x.reshape(*batch, seq // block, block, dim).astype(wide)
+    return jnp.sum(blocked * weights.astype(wide), axis=-2).astype(x.dtype)
+
+
+@jaxtyped(typechecker=beartype)
+def downsample_heads(v: Float[Array, "*batch seq heads head_dim"], weights: Float[Array, "block features"]
+                     ) -> Float[Array, "*batch blocks heads head_dim"]:
+    """:func:`downsample` of the values v [*batch, seq, H, K] as [*batch, seq, H K], weights [s, H K].
+
+    On TPU, where the head dim is a multiple of 128 and a tile fits, the kernels read v head-major
+    (:func:`nash_mhc.ops.downsample_kernel.downsample_heads_kernel`), the layout the value projection has for flash
+    attention; elsewhere it is :func:`downsample` of the reshaped values, the same numbers."""
+    *batch, seq, heads, head_dim = v.shape
+    block = weights.shape[0]
+
+    if block == 1 or row_tile(seq, head_dim, block) is None:
+        return downsample(v.reshape(*batch, seq, heads * head_dim), weights).reshape(*batch, -1, heads, head_dim)
+
+    def xla(v: jax.Array, weights: jax.Array) -> jax.Array:
+        return _downsample_xla(v.reshape(*batch, seq, heads * head_dim), weights).reshape(*batch, -1, heads, head_dim)
+    return jax.lax.platform_dependent(v, weights.astype(v.dtype), tpu=downsample_heads_kernel, default=xla)
 
 
 def _chunked(seq: int, block: int) -> bool:
