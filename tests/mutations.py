@@ -105,6 +105,16 @@ MUTATIONS = {
                                                     "x, w, coarse = elems * x_bytes, block * dim * w_bytes * "
                                                     "(seq // rows) * sequences,")],
                                                   ["tests/test_downsample_kernel.py"]),
+    "upsampling kernel shifts nothing": ("nash_mhc/ops/upsample_kernel.py",
+                                         [("jnp.where(row == 0, previous, pltpu.roll(y, shift=1, axis=0))", "y")],
+                                         ["tests/test_upsample_kernel.py"]),
+    "upsampling backward drops the next tile's share": ("nash_mhc/ops/upsample_kernel.py",
+                                                        [("jnp.where(pl.program_id(2) < pl.num_programs(2) - 1, "
+                                                          "first, 0.0)", "0.0 * first")],
+                                                        ["tests/test_upsample_kernel.py"]),
+    "upsampling cost counts no edge rows": ("nash_mhc/ops/upsample_kernel.py",
+                                            [("edge = tiles * EDGE * dim", "edge = 0")],
+                                            ["tests/test_upsample_kernel.py"]),
     "gate reads scale 0 alone": ("nash_mhc/ops/aggregation.py",
                                  [("for m, x in enumerate(o))", "for m, x in enumerate(o[:1]))")],
                                  [REFERENCE, "tests/test_nash.py"]),
