@@ -6,7 +6,7 @@ H_pre, H_post, H_res):
 
     raw = sum_j X_j W_j  [T, C]      ss = sum_j sum_d X_j²  [T]        kernel "stats"  (reads X once)
     (H_pre, H_post, H_res) = coefficients(raw, ss)                                      (XLA, [T, C]-sized)
-    u = sum_j H_pre[:, j] X_j  [T, D]    (rounded once to X's dtype)                    (XLA, one fusion)
+    u = sum_j H_pre[:, j] X_j  [T, D]    (rounded once to X's dtype)                    (XLA, one fusion, written)
 
 :func:`collapse_streams` returns (X, u, H_post, H_res): X passes through unchanged, so that the cotangent of the
 stream update that consumes X afterwards (:mod:`nash_mhc.ops.stream_mix`) arrives here and is added to the
@@ -218,6 +218,9 @@ def _forward(coefficients, x, w, params, blocks, interpret, kernels, pullback=Fa
     else:
         (h_pre, h_post, h_res), vjp = coefficients(raw, ss, params), None
     u = weighted_sum([a.astype(F32) for a in x], h_pre).astype(x.dtype)
+    if kernels:  # TPU: u written once. Fused into each of its consumers (the norm's statistics, the normalised
+        # input in two layouts under multiscale attention), XLA wrote float32 copies of the streams for them instead
+        u = lax.optimization_barrier(u)
     return (x, u, h_post, h_res), (h_pre, vjp)
 
 
