@@ -95,6 +95,7 @@ def test_under_a_mesh_each_shard_runs_the_kernels_on_its_sequences():
         one = run(v, w, cotangent)
         with jax.set_mesh(make_mesh(2, 2, 2)):
             sharded = run(v, w, cotangent)
+            assert "shard_map" in str(jax.make_jaxpr(run)(v, w, cotangent))  # the kernels run per shard
         (dx, dw, y), (dx_one, dw_one, y_one) = sharded, one
         np.testing.assert_array_equal(np.asarray(y), np.asarray(y_one))
         np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx_one))
@@ -111,14 +112,13 @@ def test_row_tiles_and_bad_tiles():
         downsample_kernel(x, w, rows=96, interpret=True)
 
 
-@pytest.mark.parametrize("sequences,seq,dim,block,x_bytes", [(2, 512, 256, 4, 4), (16, 2048, 2048, 16, 2)])
-def test_declared_cost_is_the_grids_work_and_bytes(sequences, seq, dim, block, x_bytes):
-    rows = row_tile(seq, dim, block)
+@pytest.mark.parametrize("sequences,seq,dim,block,rows,x_bytes", [
+    (2, 512, 256, 4, 256, 4), (2, 768, 256, 4, 256, 2), (16, 2048, 2048, 16, 2048, 2)])
+def test_declared_cost_is_the_grids_work_and_bytes(sequences, seq, dim, block, rows, x_bytes):
     forward, backward = kernel_costs(sequences, seq, dim, block, rows, x_bytes, x_bytes, x_bytes)
     elems = sequences * seq * dim
     assert forward.flops == 2 * elems  # a multiply and an add per element of x
     assert backward.flops == 3 * elems  # dw's multiply-add, dx's multiply
-    dtype = {2: jnp.bfloat16, 4: jnp.float32}[x_bytes]
     for groups in (1, dim // 128):  # x as [N, 1, T, D] (downsample) and as K = 128 heads (downsample_heads)
         columns = dim // groups
         grid = (groups, columns // 128, sequences, seq // rows)  # the kernels' grid, walked in order
@@ -129,7 +129,14 @@ def test_declared_cost_is_the_grids_work_and_bytes(sequences, seq, dim, block, x
         assert forward.bytes_accessed == moved(grid, [fine, weights, coarse])
         assert backward.bytes_accessed == moved(grid, [fine, weights, coarse, fine, partials])
 
-    # what the TPU branches of downsample and downsample_heads declare, forward then backward
+
+@pytest.mark.parametrize("sequences,seq,dim,block,x_bytes", [(2, 512, 256, 4, 4), (16, 2048, 2048, 16, 2)])
+def test_the_tpu_branches_declare_the_kernels_costs(sequences, seq, dim, block, x_bytes):
+    """What downsample's and downsample_heads' TPU branches declare in a gradient, forward then backward (the other
+    branch is XLA), at the default row tile."""
+    forward, backward = kernel_costs(sequences, seq, dim, block, row_tile(seq, dim, block), x_bytes, x_bytes, x_bytes)
+    dtype = {2: jnp.bfloat16, 4: jnp.float32}[x_bytes]
+
     def loss(x, w):
         heads = x.reshape(sequences, seq, dim // 128, 128)
         return downsample(x, w).astype(jnp.float32).sum() + downsample_heads(heads, w).astype(jnp.float32).sum()

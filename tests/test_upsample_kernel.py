@@ -47,7 +47,7 @@ def kernel(y, block):
     return upsample_kernel(y, block, rows=rows_for(block), interpret=True)
 
 
-@pytest.mark.parametrize("block", [4, 16])
+@pytest.mark.parametrize("block", [2, 4, 16, 17])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_forward_and_gradient_match_float64_numpy(block, dtype):
     y, g = problem(block, dtype)
@@ -78,6 +78,7 @@ def test_under_a_mesh_each_shard_runs_the_kernels_on_its_sequences():
     one = run(y, g)
     with jax.set_mesh(make_mesh(2, 2, 2)):
         sharded = run(y, g)
+        assert "shard_map" in str(jax.make_jaxpr(run)(y, g))  # the kernels run per shard
     for a, b in zip(sharded, one, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -90,24 +91,28 @@ def test_bad_tiles_are_refused_with_one_line():
         upsample_kernel(y[:, :6], 32, rows=192, interpret=True)
 
 
-@pytest.mark.parametrize("sequences,seq,dim,block,x_bytes", [(2, 512, 256, 4, 4), (16, 2048, 2048, 16, 2),
-                                                             (3, 1024, 128, 16, 2)])
-def test_declared_cost_is_the_grids_work_and_bytes(sequences, seq, dim, block, x_bytes):
-    rows = row_tile(seq, dim, block)
+@pytest.mark.parametrize("sequences,seq,dim,block,rows,x_bytes", [
+    (2, 512, 256, 4, 256, 4), (2, 768, 256, 4, 256, 2), (3, 1536, 128, 16, 512, 2), (16, 2048, 2048, 16, 2048, 2)])
+def test_declared_cost_is_the_grids_work_and_bytes(sequences, seq, dim, block, rows, x_bytes):
     forward, backward = kernel_costs(sequences, seq, dim, block, rows, x_bytes, x_bytes)
     tiles, coarse_rows = seq // rows, rows // block
     grid = (dim // 128, sequences, tiles)  # the kernels' grid, walked in order
     fine = (rows * 128 * x_bytes, lambda c, n, t: (n, t, c))
     coarse = (coarse_rows * 128 * x_bytes, lambda c, n, t: (n, t, c))
-    # 16 coarse rows ending just before the tile (any other block in the first tile); 16 fine rows just after it
-    before = (16 * 128 * x_bytes, lambda c, n, t: (n, t * coarse_rows // 16 - 1 if t else -1, c))
-    after = (16 * 128 * x_bytes, lambda c, n, t: (n, (t + 1) * rows // 16 if t < tiles - 1 else -1, c))
+    # 16-row blocks: the coarse rows ending just before the tile (the sequence's last 16 in the first tile, which
+    # ignores them), the fine rows just after it (the sequence's last 16 in the last tile)
+    before = (16 * 128 * x_bytes, lambda c, n, t: (n, t * coarse_rows // 16 - 1 if t else seq // block // 16 - 1, c))
+    after = (16 * 128 * x_bytes, lambda c, n, t: (n, (t + 1) * rows // 16 if t < tiles - 1 else seq // 16 - 1, c))
     assert forward.flops == 0  # a copy
     assert forward.bytes_accessed == moved(grid, [coarse, before, fine])
     assert backward.flops == (block - 1) * sequences * seq // block * dim  # each coarse output adds s terms
     assert backward.bytes_accessed == moved(grid, [fine, after, coarse])
 
-    # what upsample_shifted's TPU branch declares, forward then backward
+
+@pytest.mark.parametrize("sequences,seq,dim,block,x_bytes", [(2, 512, 256, 4, 4), (16, 2048, 2048, 16, 2)])
+def test_the_tpu_branch_declares_the_kernels_costs(sequences, seq, dim, block, x_bytes):
+    """What upsample_shifted's TPU branch declares in a gradient, forward then backward, at the default row tile."""
+    forward, backward = kernel_costs(sequences, seq, dim, block, row_tile(seq, dim, block), x_bytes, x_bytes)
     dtype = {2: jnp.bfloat16, 4: jnp.float32}[x_bytes]
 
     def loss(y):

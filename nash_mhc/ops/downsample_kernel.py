@@ -98,9 +98,9 @@ def _grid_specs(x: jax.Array, w: jax.Array, rows: int):
     sequences, groups, seq, columns = x.shape
     block = w.shape[1]
     grid = (groups, columns // LANES, sequences, seq // rows)
-    fine = pl.BlockSpec((None, None, rows, LANES), lambda g, c, n, t: (n, g, t, c))
-    coarse = pl.BlockSpec((None, None, rows // block, LANES), lambda g, c, n, t: (n, g, t, c))
-    weights = pl.BlockSpec((None, block, LANES), lambda g, c, n, t: (g, 0, c))
+    fine = pl.BlockSpec((None, None, rows, LANES), lambda group, c, n, t: (n, group, t, c))
+    coarse = pl.BlockSpec((None, None, rows // block, LANES), lambda group, c, n, t: (n, group, t, c))
+    weights = pl.BlockSpec((None, block, LANES), lambda group, c, n, t: (group, 0, c))
     return grid, fine, coarse, weights
 
 
@@ -128,7 +128,7 @@ def _backward_shard(x, w, g, *, rows, interpret):
     sequences, groups, seq, columns = x.shape
     block = w.shape[1]
     grid, fine, coarse, weights = _grid_specs(x, w, rows)
-    partial = pl.BlockSpec((None, None, None, block, LANES), lambda g, c, n, t: (n, t, g, 0, c))
+    partial = pl.BlockSpec((None, None, None, block, LANES), lambda group, c, n, t: (n, t, group, 0, c))
     return pl.pallas_call(
         _backward_kernel, grid=grid, in_specs=[fine, weights, coarse], out_specs=[fine, partial],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -160,8 +160,8 @@ _downsample.defvjp(_downsample_forward, _downsample_backward)
 
 def _checked_rows(seq: int, columns: int, block: int, rows: int | None) -> int:
     rows = row_tile(seq, columns, block) if rows is None else rows
-    if rows is None or seq % rows or rows % (8 * block) or columns % LANES:
-        raise ValueError(f"downsampling kernels need a row tile that divides seq = {seq} into whole groups of 8 "
+    if rows is None or seq % rows or rows % (16 * block) or columns % LANES:
+        raise ValueError(f"downsampling kernels need a row tile that divides seq = {seq} into whole groups of 16 "
                          f"blocks of {block} and columns = {columns} a multiple of {LANES}, got rows = {rows}")
     return rows
 
