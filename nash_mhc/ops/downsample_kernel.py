@@ -40,17 +40,18 @@ from nash_mhc.sharding import per_shard
 F32 = jnp.float32
 LANES = 128  # columns per tile: Mosaic's strided loads need a 128-wide last dimension
 ROW_TILES = (2048, 1024, 512, 256)  # positions per tile, largest first
+TILE_ROWS = 16  # rows of a bfloat16 (16, 128) tile: a tile's coarse rows come in multiples of it
 SEQUENCES, WEIGHTS = ("batch", "heads", "seq", "head_dim"), ("heads", "block", "head_dim")  # for per_shard
 PARTIALS = ("batch", "seq", "heads", "block", "head_dim")
 
 
 def row_tile(seq: int, dim: int, block: int) -> int | None:
     """The positions per tile for x [.., seq, dim] and blocks of ``block``: the largest of :data:`ROW_TILES` that
-    divides ``seq`` and holds a multiple of 16 coarse tokens (a bfloat16 tile's rows), or None where no tile
-    fits (``dim`` not a multiple of 128, or too short a sequence): the caller keeps its XLA form."""
+    divides ``seq`` and holds a multiple of :data:`TILE_ROWS` coarse tokens, or None where no tile fits (``dim``
+    not a multiple of 128, or too short a sequence): the caller keeps its XLA form."""
     if block < 1 or dim % LANES:
         return None
-    return next((rows for rows in ROW_TILES if seq % rows == 0 and rows % (16 * block) == 0), None)
+    return next((rows for rows in ROW_TILES if seq % rows == 0 and rows % (TILE_ROWS * block) == 0), None)
 
 
 def kernel_costs(sequences: int, seq: int, dim: int, block: int, rows: int, x_bytes: int, w_bytes: int,
@@ -160,9 +161,10 @@ _downsample.defvjp(_downsample_forward, _downsample_backward)
 
 def _checked_rows(seq: int, columns: int, block: int, rows: int | None) -> int:
     rows = row_tile(seq, columns, block) if rows is None else rows
-    if rows is None or seq % rows or rows % (16 * block) or columns % LANES:
-        raise ValueError(f"downsampling kernels need a row tile that divides seq = {seq} into whole groups of 16 "
-                         f"blocks of {block} and columns = {columns} a multiple of {LANES}, got rows = {rows}")
+    if rows is None or seq % rows or rows % (TILE_ROWS * block) or columns % LANES:
+        raise ValueError(f"downsampling kernels need a row tile that divides seq = {seq} into whole groups of "
+                         f"{TILE_ROWS} blocks of {block} and columns = {columns} a multiple of {LANES}, got "
+                         f"rows = {rows}")
     return rows
 
 
@@ -192,4 +194,5 @@ def downsample_heads_kernel(v: jax.Array, weights: jax.Array, *, rows: int | Non
     return jnp.swapaxes(y, 1, 2).reshape(*batch, seq // block, heads, head_dim)
 
 
-__all__ = ["LANES", "ROW_TILES", "downsample_heads_kernel", "downsample_kernel", "kernel_costs", "row_tile"]
+__all__ = ["LANES", "ROW_TILES", "TILE_ROWS", "downsample_heads_kernel", "downsample_kernel", "kernel_costs",
+           "row_tile"]

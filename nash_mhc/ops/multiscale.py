@@ -11,7 +11,7 @@ from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
 from nash_mhc.ops.downsample_kernel import downsample_heads_kernel, downsample_kernel, row_tile
-from nash_mhc.ops.upsample_kernel import EDGE, upsample_kernel
+from nash_mhc.ops.upsample_kernel import upsample_kernel, upsample_row_tile
 
 CHUNK = 128  # positions per chunk of the matmul forms (TPU): a multiple of every block size they serve
 
@@ -149,7 +149,7 @@ def upsample_shifted(y: Float[Array, "*batch blocks dim"], seq_len: int, block: 
         repeated = jnp.broadcast_to(y[..., None, :], (*batch, blocks, block, dim)).reshape(*batch, blocks * block, dim)
         return jnp.concatenate([jnp.zeros((*batch, block - 1, dim), y.dtype), repeated[..., :keep, :]], axis=-2)
 
-    if blocks * block == seq_len and block <= EDGE + 1 and row_tile(seq_len, dim, block) is not None:
+    if blocks * block == seq_len and upsample_row_tile(seq_len, dim, block) is not None:
         tpu = functools.partial(upsample_kernel, block=block)  # strided stores of the outputs (ops.upsample_kernel)
     elif _chunked(seq_len, block) and blocks == seq_len // block:
         tpu = functools.partial(_upsample_chunked, block=block)

@@ -31,12 +31,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from nash_mhc.ops.downsample_kernel import LANES, row_tile
+from nash_mhc.ops.downsample_kernel import LANES, TILE_ROWS, row_tile
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
-EDGE = 16  # rows of the neighbouring tile read for the shift (a bfloat16 tile's rows)
+EDGE = TILE_ROWS  # rows of the neighbouring tile read for the shift
 SEQUENCES = ("batch", "seq", "features")  # for per_shard
+
+
+def upsample_row_tile(seq: int, dim: int, block: int) -> int | None:
+    """The fine positions per tile for up [.., seq, dim] (:func:`nash_mhc.ops.downsample_kernel.row_tile`), or None
+    where the kernels do not apply: a block of 1 or of more than :data:`EDGE` + 1 (the backward kernel reads the
+    next block's s - 1 positions from :data:`EDGE` rows), or no tile fits."""
+    return row_tile(seq, dim, block) if 2 <= block <= EDGE + 1 else None
 
 
 def kernel_costs(sequences: int, seq: int, dim: int, block: int, rows: int, y_bytes: int, g_bytes: int
@@ -147,11 +154,11 @@ _upsample.defvjp(_upsample_forward, _upsample_backward)
 
 def upsample_kernel(y: jax.Array, block: int, *, rows: int | None = None, interpret: bool = False) -> jax.Array:
     """up [*batch, blocks · block, D] (module docstring) of y [*batch, blocks, D], in y's dtype, by the kernels,
-    differentiable. ``rows``: fine positions per tile, default :func:`nash_mhc.ops.downsample_kernel.row_tile`
-    (which keeps 16 coarse rows per tile); ValueError where none fits (the caller's XLA form applies there)."""
+    differentiable. ``rows``: fine positions per tile, default :func:`upsample_row_tile`; ValueError where none
+    fits (the caller's XLA form applies there)."""
     *batch, blocks, dim = y.shape
     seq = blocks * block
-    rows = row_tile(seq, dim, block) if rows is None else rows
+    rows = upsample_row_tile(seq, dim, block) if rows is None else rows
     if not 2 <= block <= EDGE + 1 or rows is None or seq % rows or rows % (EDGE * block) or dim % LANES:
         raise ValueError(f"upsampling kernels need a block of 2 to {EDGE + 1} and a row tile that divides seq = {seq} "
                          f"into whole groups of {EDGE} blocks of {block}, dim = {dim} a multiple of {LANES}; got "
@@ -160,4 +167,4 @@ def upsample_kernel(y: jax.Array, block: int, *, rows: int | None = None, interp
     return up.reshape(*batch, seq, dim)
 
 
-__all__ = ["EDGE", "kernel_costs", "upsample_kernel"]
+__all__ = ["EDGE", "kernel_costs", "upsample_kernel", "upsample_row_tile"]
