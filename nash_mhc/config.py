@@ -97,9 +97,10 @@ class ModelConfig(ConfigMethods):
     remat_group: int = setting(1, "with --remat: layers per rematerialised group; the layer scan keeps only each "
                                   "group's input for the backward pass (must divide num_layers)")
     scan_unroll: int = setting(1, "layers per iteration of the layer scan (lax.scan's unroll; with --remat-group, "
-                                  "groups): fewer loop iterations and no stacking of the saved activations "
-                                  "between the unrolled layers; >= num_layers runs them unrolled. Faster CPU steps "
-                                  "at a few layers; compile time grows with it")
+                                  "the layers within a group, then whole groups): fewer loop iterations and no "
+                                  "stacking of the saved activations between the unrolled layers; >= num_layers "
+                                  "runs them unrolled. Faster steps (CPU at a few layers, TPU at 1b and 3b); "
+                                  "compile time grows with it")
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         # Compiles in seconds on a laptop CPU; used by the test-suite.
@@ -113,10 +114,10 @@ class ModelConfig(ConfigMethods):
         "medium": dict(vocab_size=49152, seq_len=1024, d_model=1024, num_layers=24, num_heads=16,
                        num_streams=4, num_scales=3, compression_ratio=4),
         "1b": dict(vocab_size=49152, seq_len=2048, d_model=2048, num_layers=16, num_heads=16,
-                   num_streams=4, num_scales=3, compression_ratio=4, dtype="bfloat16"),
+                   num_streams=4, num_scales=3, compression_ratio=4, dtype="bfloat16", scan_unroll=16),
         "3b": dict(vocab_size=49152, seq_len=4096, d_model=2048, num_layers=28, num_heads=16,
                    num_streams=4, num_scales=4, compression_ratio=4, dtype="bfloat16",
-                   tie_embeddings=False),
+                   tie_embeddings=False, scan_unroll=28),
     }
 
     def __post_init__(self) -> None:

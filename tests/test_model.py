@@ -222,21 +222,24 @@ def test_remat_policies_and_scan_unroll_do_not_change_results():
     batch = tokens(batch=2, seq=SEQ + 1)
     results = {}
     settings = {"none": {}, "full": {}, "dots": {}, "full-group": {"remat_group": 2},  # tiny: 2 layers, 1 group
-                "none-unrolled": {"scan_unroll": 2}, "dots-unrolled": {"scan_unroll": 3}}
+                "none-unrolled": {"scan_unroll": 2}, "dots-unrolled": {"scan_unroll": 3},
+                "full-group-unrolled": {"remat_group": 2, "scan_unroll": 2}}
     for name, extra in settings.items():
         config = ModelConfig.preset("tiny", remat=name.split("-")[0], **extra)
         results[name] = value_and_grad(perturbed(LanguageModel(config, key=jax.random.key(0))), batch)
-    for remat in ("full", "dots", "full-group", "none-unrolled", "dots-unrolled"):
+    for remat in ("full", "dots", "full-group", "none-unrolled", "dots-unrolled", "full-group-unrolled"):
         np.testing.assert_allclose(float(results[remat][0]), float(results["none"][0]), rtol=1e-6)
         for a, b in zip(jax.tree.leaves(results[remat][1]), jax.tree.leaves(results["none"][1]), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("unroll, loops", [(1, 1), (2, 0)])
-def test_scan_unroll_runs_the_layers_without_a_loop(unroll, loops):
-    """scan_unroll >= num_layers: the compiled forward pass has no loop over the layers (plain + full has no
-    other loop)."""
-    config = ModelConfig.preset("tiny", residual="plain", attention="full", scan_unroll=unroll)
+@pytest.mark.parametrize("unroll, group, loops", [(1, 1, 1), (6, 1, 0), (1, 3, 2), (3, 3, 1), (6, 3, 0)])
+def test_scan_unroll_runs_the_layers_without_a_loop(unroll, group, loops):
+    """scan_unroll counts layers per loop iteration, with or without remat groups: >= num_layers leaves no loop in
+    the lowered forward pass (plain + full has no other loop); with groups of 3, unroll 3 unrolls the scan within
+    each group but keeps the loop over the groups."""
+    config = ModelConfig.preset("tiny", residual="plain", attention="full", num_layers=6, scan_unroll=unroll,
+                                remat="full" if group > 1 else "none", remat_group=group)
     model = LanguageModel(config, key=jax.random.key(0))
     text = jax.jit(lambda m, t: m(t).logits).lower(model, tokens(batch=2)).as_text()
     assert text.count("stablehlo.while") == loops
