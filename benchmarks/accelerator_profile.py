@@ -2,7 +2,7 @@
 each HLO instruction, and the matrix products with their operand types.
 
     python benchmarks/accelerator_profile.py [--preset base] [--variant plain+full] [--dtype bfloat16] \
-        [--batch-size 16] [--steps 3] [--out DIR] [--top 30]
+        [--batch-size 16] [--steps 3] [--scan-unroll N] [--out DIR] [--top 30]
 
 Builds the step that ``accelerator_step.py`` times (one device, random tokens), runs three steps, then traces
 ``--steps`` more with ``jax.profiler`` while XLA dumps the optimised HLO. Device events (the GPU's kernels: events
@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: the preset's")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3, help="traced steps")
+    parser.add_argument("--scan-unroll", type=int, default=None,
+                        help="layers per iteration of the layer scan (default: the preset's)")
     parser.add_argument("--out", type=Path, default=None, help="keep the trace and HLO dump here")
     parser.add_argument("--top", type=int, default=30, help="source lines and kernels to print")
     parser.add_argument("--from-files", nargs=2, type=Path, metavar=("XPLANE", "HLO"), default=None,
@@ -109,6 +111,8 @@ def main() -> None:
         return
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.scan_unroll is not None and args.scan_unroll < 1:
+        parser.error(f"--scan-unroll must be at least 1, got {args.scan_unroll}")
     out = args.out or Path(tempfile.mkdtemp(prefix="accelerator_profile_"))
     for stale in (out / "dump", out / "trace"):  # a reused --out: only this run's module and trace
         shutil.rmtree(stale, ignore_errors=True)
@@ -119,7 +123,7 @@ def main() -> None:
 
     if args.variant not in VARIANTS:
         parser.error(f"--variant must be one of {', '.join(VARIANTS)}")
-    step, config, device = ours(args.preset, args.variant, args.dtype, args.batch_size)
+    step, config, device = ours(args.preset, args.variant, args.dtype, args.batch_size, args.scan_unroll)
     tokens = args.batch_size * config.seq_len
     for _ in range(3):
         jax.block_until_ready(step())
@@ -133,7 +137,8 @@ def main() -> None:
 
     module = max((out / "dump").glob("*train_step*after_optimizations.txt"), key=os.path.getsize)
     xplane = max((out / "trace").rglob("*.xplane.pb"), key=os.path.getmtime)
-    print(f"{args.preset} {args.variant}, batch {args.batch_size}, dtype {args.dtype or 'preset'}, one "
+    print(f"{args.preset} {args.variant}, batch {args.batch_size}, dtype {args.dtype or 'preset'}, scan_unroll "
+          f"{config.scan_unroll}, one "
           f"{device.device_kind}; {args.steps} traced steps; module {module.name}")
     print(f"wall {wall * 1e3:.1f} ms per step, {tokens / wall:,.0f} tokens/s")
     for line in summarise(xplane, module.read_text(), args.steps, device.platform == "cpu", args.top):

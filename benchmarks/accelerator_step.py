@@ -2,7 +2,8 @@
 optionally, nanoGPT's PyTorch model at the same shapes, each in a process of its own, one after the other.
 
     python benchmarks/accelerator_step.py [--preset base] [--dtype bfloat16] [--batch-size 16] [--steps 20] \
-        [--variants plain+full mhc+full mhc+multiscale+nash] [--nanogpt PATH/TO/nanoGPT/model.py] [--json OUT]
+        [--variants plain+full mhc+full mhc+multiscale+nash] [--scan-unroll N] [--nanogpt PATH/TO/nanoGPT/model.py] \
+        [--json OUT]
 
 Contestants (same shapes: the preset's layers, width, heads, sequence and padded vocabulary; random tokens):
 
@@ -37,21 +38,23 @@ VARIANTS = {"plain+full": dict(residual="plain", attention="full"),
 WARMUP = 3
 
 
-def model_config(preset: str, variant: str, dtype: str | None):
+def model_config(preset: str, variant: str, dtype: str | None, scan_unroll: int | None = None):
     from nash_mhc import ModelConfig
 
     overrides = dict(VARIANTS[variant])
     if dtype:
         overrides["dtype"] = dtype
+    if scan_unroll:
+        overrides["scan_unroll"] = scan_unroll
     return ModelConfig.preset(preset, **overrides)
 
 
-def ours(preset: str, variant: str, dtype: str | None, batch_size: int):
+def ours(preset: str, variant: str, dtype: str | None, batch_size: int, scan_unroll: int | None = None):
     """(step callable returning the loss as an array, the variant's ModelConfig, the device)."""
     import jax
     from nanogpt_compare import train_step_of
 
-    config = model_config(preset, variant, dtype)
+    config = model_config(preset, variant, dtype, scan_unroll)
     return train_step_of(config, batch_size, learning_rate=3e-4), config, jax.devices()[0]
 
 
@@ -109,7 +112,7 @@ def run(name: str, args: argparse.Namespace, connection) -> None:
         else:
             import jax
 
-            step, config, flops_device = ours(args.preset, name, args.dtype, args.batch_size)
+            step, config, flops_device = ours(args.preset, name, args.dtype, args.batch_size, args.scan_unroll)
             tokens, flops = args.batch_size * config.seq_len, config.flops_per_token()
             wait = lambda loss: float(jax.block_until_ready(loss))  # noqa: E731
             device_kind = flops_device.device_kind
@@ -154,6 +157,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per timed block")
     parser.add_argument("--blocks", type=int, default=3, help="timed blocks (the median block is reported)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--scan-unroll", type=int, default=None,
+                        help="layers per iteration of our layer scan (default: the preset's)")
     parser.add_argument("--nanogpt", type=Path, default=None, help="nanoGPT's model.py: time it too")
     parser.add_argument("--torch-compile", action="store_true", help="with --nanogpt: also torch.compile it")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
@@ -161,6 +166,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1 or args.blocks < 1:
         parser.error(f"--steps and --blocks must be at least 1, got {args.steps} and {args.blocks}")
+    if args.scan_unroll is not None and args.scan_unroll < 1:
+        parser.error(f"--scan-unroll must be at least 1, got {args.scan_unroll}")
     if args.nanogpt is not None and not args.nanogpt.is_file():
         parser.error(f"--nanogpt {args.nanogpt}: no such file")
     names = list(args.variants)
@@ -185,8 +192,9 @@ def main() -> None:
         process.join()
         print(json.dumps(results[-1]), flush=True)
     base = next((r for r in results if r["name"] == "plain+full" and "error" not in r), None)
-    print(f"\n{args.preset}, batch {args.batch_size}, dtype {args.dtype or 'preset'}; median of {args.blocks} "
-          f"blocks of {args.steps} steps")
+    unroll = f"scan_unroll {args.scan_unroll}" if args.scan_unroll else "the preset's scan_unroll"
+    print(f"\n{args.preset}, batch {args.batch_size}, dtype {args.dtype or 'preset'}, {unroll}; median of "
+          f"{args.blocks} blocks of {args.steps} steps")
     print("| contestant | device | step time | tokens/s | MFU | peak memory | ÷ plain + full step time | first step |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
