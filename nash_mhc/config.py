@@ -99,8 +99,8 @@ class ModelConfig(ConfigMethods):
     scan_unroll: int = setting(1, "layers per iteration of the layer scan (lax.scan's unroll; with --remat-group, "
                                   "the layers within a group, then whole groups): fewer loop iterations and no "
                                   "stacking of the saved activations between the unrolled layers; >= num_layers "
-                                  "runs them unrolled. Faster steps (CPU at a few layers, TPU at 1b and 3b); "
-                                  "compile time grows with it")
+                                  "runs them unrolled. Faster steps (CPU at a few layers, GPU at base, TPU at 1b "
+                                  "and 3b); compile time grows with it")
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         # Compiles in seconds on a laptop CPU; used by the test-suite.
@@ -110,7 +110,7 @@ class ModelConfig(ConfigMethods):
         "small": dict(vocab_size=259, seq_len=256, d_model=256, num_layers=4, num_heads=4, num_streams=4,
                       num_scales=3, compression_ratio=4, scan_unroll=4),
         "base": dict(vocab_size=49152, seq_len=1024, d_model=768, num_layers=12, num_heads=12,
-                     num_streams=4, num_scales=3, compression_ratio=4),
+                     num_streams=4, num_scales=3, compression_ratio=4, scan_unroll=12),
         "medium": dict(vocab_size=49152, seq_len=1024, d_model=1024, num_layers=24, num_heads=16,
                        num_streams=4, num_scales=3, compression_ratio=4),
         "1b": dict(vocab_size=49152, seq_len=2048, d_model=2048, num_layers=16, num_heads=16,
