@@ -49,6 +49,9 @@ MUTATIONS = {
     "RoPE backward rotates forward": ("nash_mhc/ops/rope.py", [("return rotate_tpu(g, cos, -sin),",
                                                                 "return rotate_tpu(g, cos, sin),")],
                                       [REFERENCE, "tests/test_ops.py", "tests/test_golden.py"]),
+    "SwiGLU TPU backward drops silu's slope term": (
+        "nash_mhc/layers/ffn.py", [("d_gate = g32 * up32 * sigmoid * (1.0 + gate32 * (1.0 - sigmoid))",
+                                    "d_gate = g32 * up32 * sigmoid")], [REFERENCE, "tests/test_golden.py"]),
     "RoPE TPU half swap is the identity": ("nash_mhc/ops/rope.py",
                                            [("np.roll(np.eye(size), size // 2, axis=0)", "np.eye(size)")],
                                            [REFERENCE, "tests/test_ops.py"]),
