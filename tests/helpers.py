@@ -1,5 +1,5 @@
-"""Helpers the test modules share: the repository root, subprocess environments, a checkpoint without a run,
-a few train steps, and what Pallas kernels declare and move."""
+"""Helpers the test modules share: the repository root, subprocess environments, the model modes the quick loop
+covers, a checkpoint without a run, a few train steps, and what Pallas kernels declare and move."""
 
 from __future__ import annotations
 
@@ -10,11 +10,24 @@ from typing import Any
 
 import jax
 import jax.extend
+import pytest
 
 from nash_mhc.training import train_step
 from nash_mhc.training.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# (residual, attention, aggregation) modes of the quick loop's per-mode invariant tests: the default mode, each
+# residual with full attention, each aggregation with mHC and multiscale attention, and mHC-lite with multiscale.
+# Every residual, attention and aggregation code path runs; the rest of the product runs with the slow tests.
+QUICK_MODES = frozenset({("mhc", "multiscale", "nash"), ("mhc", "full", "nash"), ("hc", "full", "nash"),
+                         ("plain", "full", "nash"), ("mhc", "multiscale", "gate"), ("mhc", "multiscale", "convex"),
+                         ("mhc-lite", "multiscale", "nash")})
+
+
+def mode_case(mode: tuple[str, str, str], *rest: Any) -> Any:
+    """A parametrize case of ``mode`` followed by ``rest``: marked slow unless the mode is in QUICK_MODES."""
+    return (*mode, *rest) if tuple(mode) in QUICK_MODES else pytest.param(*mode, *rest, marks=pytest.mark.slow)
 
 
 def clean_env(**extra: str) -> dict[str, str]:

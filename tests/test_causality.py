@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mode_case
 
 from nash_mhc import LanguageModel, ModelConfig
 
@@ -21,8 +22,9 @@ SEQ_LENS = (16, 21, 32)
 
 
 # bfloat16 compute keeps the residual streams in bfloat16 between layers: the default mode once more that way
-# (slow: it keeps the quick loop under 5 minutes).
-CASES = [(*mode, "float32") for mode in MODES] + [pytest.param(*DEFAULT_MODE, "bfloat16", marks=pytest.mark.slow)]
+# (slow, as are the modes outside the quick loop's covering set: they keep it under 5 minutes).
+CASES = [mode_case(mode, "float32") for mode in MODES] + [pytest.param(*DEFAULT_MODE, "bfloat16",
+                                                                        marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("residual, attention, aggregation, dtype", CASES)

@@ -110,6 +110,7 @@ def scan_program(steps: int):
     return f
 
 
+@pytest.mark.slow  # three TPU compiles; the full run (CI) keeps it
 @needs_libtpu
 def test_a_scanned_matmul_costs_one_body_more_per_step():
     """cost_analysis counts the body of a 3-, 4- and 9-step scan once (the same FLOPs); the step cost grows by

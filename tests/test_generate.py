@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import write_checkpoint
+from helpers import mode_case, write_checkpoint
 
 import nash_mhc
 from nash_mhc import LanguageModel, ModelConfig, TrainConfig
@@ -28,10 +28,11 @@ MODES = list(itertools.product(("mhc", "hc", "plain"), ("multiscale", "full"), (
 MODES += [("mhc-lite", "multiscale", "nash"), ("mhc", "multiscale", "gate")]
 # (compression ratio, seq_len, tokens fed): r=2 → blocks 1,2,4 (22 = 5·4 + 2: a trailing partial block);
 # r=3 → blocks 1,3,9 (16 = 5·3 + 1 = 9 + 7) checks the input ring with a block size that is not a power of 2.
-CASES = [(*mode, 2, 24, 22) if mode[2] != "convex" else pytest.param(*mode, 2, 24, 22, marks=pytest.mark.slow)
+# Modes outside the quick loop's covering set (tests/helpers.py) run with the slow tests, a compilation each; the
+# convex aggregation's cache path is the Nash one's (weights from the same per-position outputs), so it is slow too.
+CASES = [mode_case(mode, 2, 24, 22) if mode[2] != "convex" else pytest.param(*mode, 2, 24, 22,
+                                                                             marks=pytest.mark.slow)
          for mode in MODES] + [("mhc", "multiscale", "nash", 3, 18, 16)]
-# The convex aggregation's cache path is the Nash one's (weights from the same per-position outputs): its modes
-# run with the slow tests, a compilation each.
 TOLERANCE = 1e-5
 
 
@@ -269,6 +270,7 @@ def test_text_stream_holds_back_incomplete_characters():
     assert out.getvalue() == "é!"
 
 
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_generate_tokens_is_the_function_and_the_old_name_still_works_with_a_warning(model):
     """``nash_mhc.generate_tokens`` is the library function; ``nash_mhc.generate`` is the program's module, and
     calling it (or ``nash_mhc.decoding.generate``) as versions < 0.3 did gives the same tokens with a

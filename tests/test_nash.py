@@ -96,6 +96,7 @@ def test_equilibrium_is_solved_to_tolerance_and_matches_the_reference(game):
     np.testing.assert_allclose(w, ref_w, atol=1e-4)
 
 
+@pytest.mark.slow  # a property of the game; the reference test pins the solve in the quick loop
 @settings(max_examples=40, deadline=None)
 @given(games(), st.integers(0, 2**32 - 1))
 def test_best_response_is_a_contraction_so_the_equilibrium_is_unique(game, seed):
@@ -154,6 +155,7 @@ def test_two_distinct_scales_move_the_weights_well_away_from_the_prior():
     assert max(moves) >= 0.2, moves
 
 
+@pytest.mark.slow  # a property of the game; the reference test pins the solve in the quick loop
 def test_rescaling_every_output_moves_no_weights_nor_sparsity_term():
     outputs = jnp.asarray(random_outputs(0, 24, 3, 16))
     available = jnp.asarray(np.arange(24)[:, None] + 1 >= np.array([1, 2, 4])[None, :])
@@ -184,7 +186,7 @@ def test_gradients_through_the_solver_match_finite_differences_in_float64():
 
         for tau in (0.3, 1e-3):  # a cold game is close to critical: the implicit solve matters most there
             args = (outputs, jnp.asarray([0.2, -0.1, 0.4], jnp.float64), jnp.asarray(tau, jnp.float64))
-            check_grads(objective, args, order=1, modes=("rev", "fwd"))
+            check_grads(jax.jit(objective), args, order=1, modes=("rev", "fwd"))  # jit: one compile, not op by op
 
 
 def test_the_fused_backward_of_the_nash_aggregation_matches_finite_differences_and_autodiff():
@@ -213,10 +215,10 @@ def test_the_fused_backward_of_the_nash_aggregation_matches_finite_differences_a
         for tau in (0.3, 1e-3):
             args = (jnp.asarray(random_outputs(1, 4, 3, 5), jnp.float64), jnp.asarray([0.2, -0.1, 0.4], jnp.float64),
                     jnp.asarray(tau, jnp.float64))
-            check_grads(objective(fused), args, order=1, modes=("rev",))
+            check_grads(jax.jit(objective(fused)), args, order=1, modes=("rev",))
     target = jnp.asarray(np.random.default_rng(2).normal(size=(4, 5)), jnp.float32)
     args = (jnp.asarray(random_outputs(1, 4, 3, 5)), jnp.asarray([0.2, -0.1, 0.4]), jnp.asarray(0.05))
-    got, expected = (jax.value_and_grad(objective(f), argnums=(0, 1, 2))(*args) for f in (fused, composed))
+    got, expected = (jax.jit(jax.value_and_grad(objective(f), argnums=(0, 1, 2)))(*args) for f in (fused, composed))
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(expected[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -317,7 +319,7 @@ def test_identical_outputs_give_finite_gradients():
         return jnp.sum(combine(slabs(outputs), w) * target) + jnp.sum(normalised_entropy(w, available))
 
     for dtype in (jnp.float32, jnp.bfloat16):
-        grads = jax.grad(loss, argnums=(0, 1, 2))(same.astype(dtype), jnp.zeros(3), jnp.asarray(0.1))
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(same.astype(dtype), jnp.zeros(3), jnp.asarray(0.1))
         assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
         assert bool(jnp.any(grads[0] != 0))
 

@@ -74,6 +74,7 @@ def test_every_flag_lands_in_its_field_and_the_field_has_a_reader():
         assert readers, f"--{dest.replace('_', '-')}: {cls.__name__}.{field} is declared but nothing reads it"
 
 
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_model_and_optimizer_flags_reach_the_layers_and_the_update():
     """Walk a few flags to their consumers: the aggregation's Newton steps and the Sinkhorn iterations in the built
     model's layers, the coefficient learning-rate scale in the optimizer's update."""

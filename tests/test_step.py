@@ -128,6 +128,7 @@ def test_sharded_steps_match_one_device(runs, shape):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_training_makes_progress_and_logs(runs):
     """Progress: after the 5 steps, every batch's loss is below the loss the step that trained on it saw (the
     model learned from it; seen: by 0.06 nats for the last one up to 0.35 for the first, trained on 4 times
@@ -358,6 +359,7 @@ def test_the_coefficient_group_is_every_logit_scaled_parameter():
         "blocks.attn.aggregation.gate", "blocks.attn_hc.b_perm", "blocks.ffn_hc.b_perm"}
 
 
+@pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it
 def test_coefficient_updates_are_scaled_and_not_decayed():
     """One optimizer update from the same state and gradients: the coefficient group moves exactly
     coefficient_lr_scale times as far as with scale 1, every other parameter moves the same."""
