@@ -10,6 +10,8 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Float, Int, jaxtyped
 
+from nash_mhc.ops.rope_kernel import rotate_kernel, row_tile
+
 
 @jaxtyped(typechecker=beartype)
 def rope(x: Float[Array, "*batch seq heads head_dim"], *, spacing: int = 1, theta: float = 10000.0,
@@ -22,8 +24,10 @@ def rope(x: Float[Array, "*batch seq heads head_dim"], *, spacing: int = 1, thet
     without it). Coarse tokens at scale l use ``spacing = s_l`` (and coarse indices as positions) so their
     relative angles match fine-token distances. Leading batch axes share the positions. The angle tables are
     constants of the program (:func:`angle_tables`), so a position gets the same cosine and sine in a whole
-    sequence and in decoding; products are float32; the result has the input dtype. On TPU, 16-bit inputs take
-    :func:`rotate_tpu` (the same numbers, forward and backward).
+    sequence and in decoding; products are float32; the result has the input dtype. On TPU, a whole bfloat16
+    sequence [B, T, H, K] whose head dim is a multiple of 128 takes the Pallas kernel
+    :func:`nash_mhc.ops.rope_kernel.rotate_kernel`, other 16-bit inputs :func:`rotate_tpu` (the same float32
+    products and sum, forward and backward).
     """
     seq, _, head_dim = x.shape[-3:]
     half = head_dim // 2
@@ -42,7 +46,13 @@ def rope(x: Float[Array, "*batch seq heads head_dim"], *, spacing: int = 1, thet
     if jnp.dtype(x.dtype).itemsize != 2:
         return halves(x)
     full_cos, signed_sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
-    return jax.lax.platform_dependent(x, tpu=lambda x: rotate_tpu(x, full_cos, signed_sin), default=halves)
+    if positions is None and x.ndim == 4 and x.dtype == jnp.bfloat16 and row_tile(seq, head_dim) is not None:
+        def tpu(x: jax.Array) -> jax.Array:
+            return rotate_kernel(x, full_cos[:, 0], signed_sin[:, 0])
+    else:
+        def tpu(x: jax.Array) -> jax.Array:
+            return rotate_tpu(x, full_cos, signed_sin)
+    return jax.lax.platform_dependent(x, tpu=tpu, default=halves)
 
 
 @functools.lru_cache(maxsize=64)
