@@ -54,7 +54,7 @@ def test_forward_and_gradient_match_float64_numpy(dtype):
                                    atol=4 * float(jnp.finfo(jnp.float32).eps) * np.abs(want).max())
 
 
-def test_the_kernel_is_the_xla_forms_bit_for_bit():
+def test_the_kernel_gives_the_xla_forms_numbers():
     """The same float32 products and sum, rounded once: the one-hot-matmul form (which the TPU ran before) and
     rope's slicing form on the CPU, outputs and gradients. Bit for bit but where a compiler contracts the product
     and the sum into one fused multiply-add (seen on the CPU for one element of the gradient in 65,536): one
