@@ -53,6 +53,17 @@ def test_rms_norm_matches_reference(layer):
     assert_close(norm(jnp.asarray(x)), ref.rms_norm(x, norm.weight, norm.eps), atol=1e-6, rtol=1e-6)
 
 
+def test_rms_norm_output_passes_an_optimization_barrier_on_tpu_only(layer):
+    """The TPU lowering writes the norm's output out once (an optimization barrier between it and the matmuls that
+    read it); the CPU's and GPU's lowerings leave the fusion to XLA. The barrier is the identity, so the CPU
+    reference test above holds for the TPU's numbers too."""
+    x = jax.ShapeDtypeStruct((3, 64), jnp.bfloat16)
+    lowered = {platform: jax.export.export(jax.jit(lambda x: layer.attn_norm(x)), platforms=[platform])(x).mlir_module()
+               for platform in ("tpu", "cpu", "cuda")}
+    barrier = "stablehlo.optimization_barrier"
+    assert barrier in lowered["tpu"] and barrier not in lowered["cpu"] and barrier not in lowered["cuda"]
+
+
 @pytest.mark.parametrize("spacing", [1, 3, 16])
 def test_rope_matches_reference_at_any_spacing_and_positions(spacing):
     x = normal(3, (2, 9, 3, 16))
