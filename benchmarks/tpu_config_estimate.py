@@ -1,0 +1,68 @@
+"""The TPU compiler's estimate for one training-program configuration at the preset's own vocabulary, as
+docs/tpu.md's estimate table compiles it, with any flags (memory settings, batch, mesh) instead of the table's.
+
+    python benchmarks/tpu_config_estimate.py v6e-8 -- --model 1b --residual plain --attention full \\
+        --batch-size 32 --mesh-fsdp 8 --remat none --loss-chunks 4 [--hlo OUT.hlo.gz]
+
+Everything after ``--`` is ``python -m nash_mhc.train`` flags, parsed by the training program's own parser;
+``--compile-only`` there sizes the vocabulary from the tokenizer (byte-level by default), this script keeps the
+preset's (49,152 for ``base``, ``1b``, ``3b``), so its figures compare with the table's. Prints whether the step
+fits the slice's HBM (GiB per chip), the estimated step time, tokens/s per chip and MFU (the compiler's cost
+model with Pallas kernels at their declared roofline, :mod:`nash_mhc.training.estimate`; an estimate, never a
+measurement) and the compile time. Needs libtpu (``pip install -e ".[tpu]"``); runs on a CPU host
+(``JAX_PLATFORMS=cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("slice", help="TPU slice or topology (v6e-8, v5e:2x4, ...)")
+    parser.add_argument("--hlo", type=Path, default=None, help="keep the optimised HLO module here (gzip)")
+    args = parser.parse_args(argv[:split])
+    train_flags = argv[split + 1:]
+    if not train_flags:
+        parser.error("give the training program's flags after --")
+
+    from nash_mhc import train as train_program
+    from nash_mhc.training import estimate, fit
+
+    configs, _ = train_program.configs(train_flags)
+    original = estimate.step_cost
+    if args.hlo is not None:
+        def keeping(text: str, device_kind: str | None = None) -> estimate.StepCost:
+            args.hlo.write_bytes(gzip.compress(text.encode()))
+            return original(text, device_kind)
+        estimate.step_cost = keeping
+    start = time.perf_counter()
+    try:
+        report = fit.check_fit(configs.model, configs.train, topology=args.slice, data=configs.mesh.data,
+                               fsdp=configs.mesh.fsdp, tp=configs.mesh.tp)
+    finally:
+        estimate.step_cost = original
+    seconds = time.perf_counter() - start
+    print(f"{' '.join(train_flags)} on {args.slice}, vocabulary {configs.model.vocab_size:,}")
+    total = report.total_bytes
+    print(f"fits: {report.fits}" + ("" if total is None else f", {total / 2**30:.2f} GiB per chip"))
+    cost = report.step_cost
+    figures = None if cost is None else estimate.step_estimate(
+        cost, device_kind=report.device_kind, chips=report.num_devices,
+        tokens_per_step=report.batch_size * report.seq_len, flops_per_token=report.flops_per_token)
+    if figures is not None:
+        mfu = "" if figures.mfu is None else f", est. MFU {100 * figures.mfu:.2f} %"
+        print(f"estimated step time {1e3 * figures.seconds:.1f} ms, {figures.tokens_per_second_per_chip:,.0f} "
+              f"tokens/s per chip{mfu} (the compiler's estimate)")
+    print(f"compile {seconds:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
