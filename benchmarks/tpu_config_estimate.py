@@ -16,10 +16,10 @@ measurement) and the compile time. Needs libtpu (``pip install -e ".[tpu]"``); r
 from __future__ import annotations
 
 import argparse
-import gzip
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
@@ -33,30 +33,15 @@ def main() -> None:
     if not train_flags:
         parser.error("give the training program's flags after --")
 
+    from tpu_estimate import estimate_configs
+
     from nash_mhc import train as train_program
-    from nash_mhc.training import estimate, fit
 
     configs, _ = train_program.configs(train_flags)
-    original = estimate.step_cost
-    if args.hlo is not None:
-        def keeping(text: str, device_kind: str | None = None) -> estimate.StepCost:
-            args.hlo.write_bytes(gzip.compress(text.encode()))
-            return original(text, device_kind)
-        estimate.step_cost = keeping
-    start = time.perf_counter()
-    try:
-        report = fit.check_fit(configs.model, configs.train, topology=args.slice, data=configs.mesh.data,
-                               fsdp=configs.mesh.fsdp, tp=configs.mesh.tp)
-    finally:
-        estimate.step_cost = original
-    seconds = time.perf_counter() - start
+    report, figures, seconds = estimate_configs(configs, args.slice, args.hlo)
     print(f"{' '.join(train_flags)} on {args.slice}, vocabulary {configs.model.vocab_size:,}")
     total = report.total_bytes
     print(f"fits: {report.fits}" + ("" if total is None else f", {total / 2**30:.2f} GiB per chip"))
-    cost = report.step_cost
-    figures = None if cost is None else estimate.step_estimate(
-        cost, device_kind=report.device_kind, chips=report.num_devices,
-        tokens_per_step=report.batch_size * report.seq_len, flops_per_token=report.flops_per_token)
     if figures is not None:
         mfu = "" if figures.mfu is None else f", est. MFU {100 * figures.mfu:.2f} %"
         print(f"estimated step time {1e3 * figures.seconds:.1f} ms, {figures.tokens_per_second_per_chip:,.0f} "

@@ -25,6 +25,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- tpu-estimate start -->", "<!-- tpu-estimate end -->"
@@ -74,22 +75,19 @@ def flags(preset: str, slice_name: str, variant: str, per_chip: int, remat_group
             "--mesh-data", "1", "--mesh-fsdp", str(chips), "--mesh-tp", "1"]
 
 
-def compile_once(preset: str, slice_name: str, variant: str, per_chip: int, label: str,
-                 hlo_dir: Path | None, remat_group: int) -> dict:
-    import jax
-
-    from nash_mhc import train as train_program
+def estimate_configs(configs: Any, slice_name: str, hlo_path: Path | None = None) -> tuple[Any, Any, float]:
+    """(fit report, its :class:`nash_mhc.training.estimate.StepEstimate` or None, compile seconds) of the training
+    program's ``configs`` (``nash_mhc.train.configs(argv)[0]``: without ``--compile-only``, which would size the
+    vocabulary from the tokenizer, they keep the preset's) compiled for ``slice_name``. ``hlo_path`` keeps the
+    optimised HLO module the estimate reads (gzip)."""
     from nash_mhc.training import estimate, fit
 
-    argv = flags(preset, slice_name, variant, per_chip, remat_group)
-    configs, _ = train_program.configs(argv)
     original = estimate.step_cost
-    if hlo_dir is not None:  # keep the optimised HLO the estimate reads
-        hlo_dir.mkdir(parents=True, exist_ok=True)
-        target = hlo_dir / f"{preset}_{slice_name}_{variant}_{per_chip}_{label}.hlo.gz"
+    if hlo_path is not None:
+        hlo_path.parent.mkdir(parents=True, exist_ok=True)
 
         def saving(text: str, device_kind: str | None = None) -> estimate.StepCost:
-            target.write_bytes(gzip.compress(text.encode()))
+            hlo_path.write_bytes(gzip.compress(text.encode()))
             return original(text, device_kind)
 
         estimate.step_cost = saving
@@ -99,11 +97,25 @@ def compile_once(preset: str, slice_name: str, variant: str, per_chip: int, labe
                                fsdp=configs.mesh.fsdp, tp=configs.mesh.tp)
     finally:
         estimate.step_cost = original
-    jax.clear_caches()
+    seconds = time.perf_counter() - start
     cost = report.step_cost
     figures = None if cost is None else estimate.step_estimate(
         cost, device_kind=report.device_kind, chips=report.num_devices,
         tokens_per_step=report.batch_size * report.seq_len, flops_per_token=report.flops_per_token)
+    return report, figures, seconds
+
+
+def compile_once(preset: str, slice_name: str, variant: str, per_chip: int, label: str,
+                 hlo_dir: Path | None, remat_group: int) -> dict:
+    import jax
+
+    from nash_mhc import train as train_program
+
+    argv = flags(preset, slice_name, variant, per_chip, remat_group)
+    hlo_path = None if hlo_dir is None else hlo_dir / f"{preset}_{slice_name}_{variant}_{per_chip}_{label}.hlo.gz"
+    report, figures, seconds = estimate_configs(train_program.configs(argv)[0], slice_name, hlo_path)
+    jax.clear_caches()
+    cost = report.step_cost
     return {"preset": preset, "slice": slice_name, "variant": variant, "per_chip": per_chip, "label": label,
             "flags": " ".join(argv), "seq_len": report.seq_len, "chips": report.num_devices,
             "fits": report.fits, "total_bytes": report.total_bytes, "estimate_error": report.estimate_error,
@@ -114,7 +126,7 @@ def compile_once(preset: str, slice_name: str, variant: str, per_chip: int, labe
             "hbm_bytes": cost and cost.hbm_bytes,
             "collective_bytes": cost and cost.collective_bytes, "loops": cost and len(cost.loops),
             "uncosted": cost and cost.uncosted, "flops_per_token": report.flops_per_token,
-            "compile_seconds": round(time.perf_counter() - start, 1),
+            "compile_seconds": round(seconds, 1),
             "machine": f"{os.uname().nodename}, {os.cpu_count()} CPU cores", "commit": commit(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
