@@ -46,12 +46,12 @@ def rope(x: Float[Array, "*batch seq heads head_dim"], *, spacing: int = 1, thet
     if jnp.dtype(x.dtype).itemsize != 2:
         return halves(x)
     full_cos, signed_sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
-    if positions is None and x.ndim == 4 and x.dtype == jnp.bfloat16 and row_tile(seq, head_dim) is not None:
-        def tpu(x: jax.Array) -> jax.Array:
+    kernel = positions is None and x.ndim == 4 and x.dtype == jnp.bfloat16 and row_tile(seq, head_dim) is not None
+
+    def tpu(x: jax.Array) -> jax.Array:
+        if kernel:  # a whole sequence: the Pallas kernel; decoding's given positions: the one-hot form
             return rotate_kernel(x, full_cos[:, 0], signed_sin[:, 0])
-    else:
-        def tpu(x: jax.Array) -> jax.Array:
-            return rotate_tpu(x, full_cos, signed_sin)
+        return rotate_tpu(x, full_cos, signed_sin)
     return jax.lax.platform_dependent(x, tpu=tpu, default=halves)
 
 
