@@ -62,8 +62,10 @@ def run_steps(state: Any, batches: list[Any]) -> tuple[Any, list[float]]:
     return state, losses
 
 
-def declared(fn: Any, *args: Any) -> list[Any]:
-    """The CostEstimate of every pallas_call in fn's jaxpr (sub-jaxprs included), in order."""
+def declared(fn: Any, *args: Any, live: bool = False) -> list[Any]:
+    """The CostEstimate of every pallas_call in fn's jaxpr (sub-jaxprs included), in order; with ``live`` only
+    those whose results are read (after dead-code elimination, as the compiler runs it: the VJP in the backward
+    rule of ``nash_mhc.ops.dispatch.platform_vjp`` traces a forward kernel that nothing reads)."""
     found = []
 
     def walk(jaxpr: Any) -> None:
@@ -72,7 +74,11 @@ def declared(fn: Any, *args: Any) -> list[Any]:
                 found.append(eqn.params["cost_estimate"])
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    if live:
+        from jax._src.interpreters.partial_eval import dce_jaxpr  # no public API for it
+        jaxpr = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+    walk(jaxpr)
     return found
 
 

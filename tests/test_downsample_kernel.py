@@ -132,14 +132,14 @@ def test_declared_cost_is_the_grids_work_and_bytes(sequences, seq, dim, block, r
 
 @pytest.mark.parametrize("sequences,seq,dim,block,x_bytes", [(2, 512, 256, 4, 4), (16, 2048, 2048, 16, 2)])
 def test_the_tpu_branches_declare_the_kernels_costs(sequences, seq, dim, block, x_bytes):
-    """What downsample's and downsample_heads' TPU branches declare in a gradient, forward then backward (the other
-    branch is XLA), at the default row tile."""
+    """What downsample's and downsample_heads' TPU branches declare in the value and gradient, forward then backward
+    (the other branch is XLA), at the default row tile: the backward rule's forward kernels are dead code."""
     forward, backward = kernel_costs(sequences, seq, dim, block, row_tile(seq, dim, block), x_bytes, x_bytes, x_bytes)
     dtype = {2: jnp.bfloat16, 4: jnp.float32}[x_bytes]
 
     def loss(x, w):
         heads = x.reshape(sequences, seq, dim // 128, 128)
         return downsample(x, w).astype(jnp.float32).sum() + downsample_heads(heads, w).astype(jnp.float32).sum()
-    got = declared(jax.grad(loss, argnums=(0, 1)), jax.ShapeDtypeStruct((sequences, seq, dim), dtype),
-                   jax.ShapeDtypeStruct((block, dim), dtype))
+    got = declared(jax.value_and_grad(loss, argnums=(0, 1)), jax.ShapeDtypeStruct((sequences, seq, dim), dtype),
+                   jax.ShapeDtypeStruct((block, dim), dtype), live=True)
     assert got == [forward, forward, backward, backward]

@@ -10,6 +10,7 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
+from nash_mhc.ops.dispatch import platform_vjp
 from nash_mhc.ops.downsample_kernel import downsample_heads_kernel, downsample_kernel, row_tile
 from nash_mhc.ops.upsample_kernel import upsample_kernel, upsample_row_tile
 
@@ -42,7 +43,7 @@ def downsample(x: Float[Array, "*batch seq dim"], weights: Float[Array, "block d
         tpu = _downsample_chunked
     else:
         return _downsample_xla(x, weights)
-    return jax.lax.platform_dependent(x, weights, tpu=tpu, default=_downsample_xla)
+    return platform_vjp(tpu, _downsample_xla)(x, weights)
 
 
 def _downsample_xla(x: jax.Array, weights: jax.Array) -> jax.Array:
@@ -73,7 +74,7 @@ def downsample_heads(v: Float[Array, "*batch seq heads head_dim"], weights: Floa
 
     def xla(v: jax.Array, weights: jax.Array) -> jax.Array:
         return _downsample_xla(v.reshape(*batch, seq, heads * head_dim), weights).reshape(*batch, -1, heads, head_dim)
-    return jax.lax.platform_dependent(v, weights.astype(v.dtype), tpu=downsample_heads_kernel, default=xla)
+    return platform_vjp(downsample_heads_kernel, xla)(v, weights.astype(v.dtype))
 
 
 def _chunked(seq: int, block: int) -> bool:

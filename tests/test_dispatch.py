@@ -1,0 +1,65 @@
+"""nash_mhc.ops.dispatch.platform_vjp: the form of the platform the step is lowered for, in the forward and the
+backward pass, and no other form's residuals in between."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nash_mhc.ops.dispatch import platform_vjp
+
+
+def tpu_form(x, w):
+    return jnp.exp(x) * w
+
+
+def default_form(x, w):
+    return jnp.tanh(x) * w  # a residual (tanh(x)) that the TPU form does not have
+
+
+def problem():
+    rng = np.random.default_rng(0)
+    return (jnp.asarray(rng.standard_normal((4, 8)), jnp.float32), jnp.asarray(rng.standard_normal((8,)), jnp.float32))
+
+
+def loss(f):
+    return lambda x, w: jnp.sum(f(x, w) ** 2)
+
+
+def test_on_the_cpu_value_and_gradient_are_the_default_forms_bit_for_bit():
+    x, w = problem()
+    got = jax.jit(jax.value_and_grad(loss(platform_vjp(tpu_form, default_form)), argnums=(0, 1)))(x, w)
+    want = jax.jit(jax.value_and_grad(loss(default_form), argnums=(0, 1)))(x, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_each_platform_lowers_its_own_form_forward_and_backward():
+    x, w = problem()
+    step = jax.jit(jax.grad(loss(platform_vjp(tpu_form, default_form)), argnums=(0, 1)))
+    text = {platform: jax.export.export(step, platforms=[platform])(x, w).mlir_module() for platform in ("tpu", "cpu")}
+    assert "exponential" in text["tpu"] and "tanh" not in text["tpu"]
+    assert "tanh" in text["cpu"] and "exponential" not in text["cpu"]
+
+
+def test_the_forward_choice_returns_the_output_alone():
+    """Differentiated as it is, platform_dependent's cond returns the union of both forms' residuals (zeros for
+    the other form's, made unsharded under a mesh); platform_vjp's forward cond returns y and saves (x, w)."""
+    x, w = problem()
+
+    def conds(f):
+        jaxpr = jax.make_jaxpr(lambda x, w: jax.vjp(f, x, w))(x, w).jaxpr
+        found = []
+
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                if eqn.primitive.name == "cond":
+                    found.append(len(eqn.outvars))
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    walk(sub)
+        walk(jaxpr)
+        return found
+
+    assert conds(platform_vjp(tpu_form, default_form)) == [1]
+    assert max(conds(lambda x, w: jax.lax.platform_dependent(x, w, tpu=tpu_form, default=default_form))) > 1
