@@ -1,5 +1,6 @@
 """Helpers the test modules share: the repository root, subprocess environments, the model modes the quick loop
-covers, a checkpoint without a run, a few train steps, and what Pallas kernels declare and move."""
+covers, train-like parameters, a checkpoint without a run, a few train steps, and what Pallas kernels declare and
+move."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.extend
+import numpy as np
 import pytest
 
 from nash_mhc.training import train_step
@@ -23,6 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK_MODES = frozenset({("mhc", "multiscale", "nash"), ("mhc", "full", "nash"), ("hc", "full", "nash"),
                          ("plain", "full", "nash"), ("mhc", "multiscale", "gate"), ("mhc", "multiscale", "convex"),
                          ("mhc-lite", "multiscale", "nash")})
+
+
+def perturbed(model: Any, scale: float = 0.05, seed: int = 1) -> Any:
+    """``model`` with every array leaf moved by ``scale`` x N(0, 1) (a stand-in for trained parameters: no branch
+    is inert, no symmetry holds). On the host in NumPy: the sum is the same float32 rounding as XLA's, and no
+    program is compiled per leaf shape (jax.random and eager adds compiled one each: about 5 s per model)."""
+    leaves, treedef = jax.tree.flatten(eqx.filter(model, eqx.is_array))
+    rng = np.random.default_rng(seed)
+    moved = [jax.numpy.asarray(np.asarray(x) + (scale * rng.standard_normal(x.shape)).astype(x.dtype))
+             for x in leaves]
+    return eqx.combine(jax.tree.unflatten(treedef, moved), model)
 
 
 def mode_case(mode: tuple[str, str, str], *rest: Any) -> Any:

@@ -13,7 +13,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_steps, write_checkpoint
+from helpers import perturbed, run_steps, write_checkpoint
 
 from nash_mhc import LanguageModel, ModelConfig, TrainConfig, make_mesh
 from nash_mhc.decoding import decode_step, init_cache
@@ -148,7 +148,7 @@ def test_the_layer_scan_reads_its_matmul_weights_in_bfloat16_and_no_bit_changes(
     import nash_mhc.model as model_module
 
     config = JAXPR_CONFIG
-    model = noisy(LanguageModel(config, key=jax.random.key(0)))
+    model = perturbed(LanguageModel(config, key=jax.random.key(0)))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, config.seq_len + 1)), jnp.int32)
     jaxpr = eqx.filter_make_jaxpr(gradient)(model, tokens)[0].jaxpr
     read = {(str(v.aval.dtype), v.aval.shape) for eqn in equations(jaxpr) if eqn.primitive.name == "scan"
@@ -173,14 +173,6 @@ DECODE_CONFIG = ModelConfig.preset("tiny", seq_len=24)  # blocks 1, 2, 4; 22 tok
 FED = 22
 
 
-def noisy(model: LanguageModel, seed: int = 1) -> LanguageModel:
-    """Train-like parameters: every leaf moved off its initial value, so logits have a spread of order 0.5."""
-    leaves, treedef = jax.tree.flatten(eqx.filter(model, eqx.is_array))
-    rng = np.random.default_rng(seed)  # NumPy: no per-shape compilation of jax.random
-    moved = [x + jnp.asarray(0.05 * rng.standard_normal(x.shape), x.dtype) for x in leaves]
-    return eqx.combine(jax.tree.unflatten(treedef, moved), model)
-
-
 @eqx.filter_jit
 def logits_and_cached(f32: LanguageModel, bf16: LanguageModel, tokens: jax.Array
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -196,8 +188,8 @@ def logits_and_cached(f32: LanguageModel, bf16: LanguageModel, tokens: jax.Array
 
 @pytest.fixture(scope="module")
 def outputs() -> dict[str, np.ndarray]:
-    f32 = noisy(LanguageModel(DECODE_CONFIG, key=jax.random.key(0)))
-    bf16 = noisy(LanguageModel(DECODE_CONFIG.replace(dtype="bfloat16"), key=jax.random.key(0)))
+    f32 = perturbed(LanguageModel(DECODE_CONFIG, key=jax.random.key(0)))
+    bf16 = perturbed(LanguageModel(DECODE_CONFIG.replace(dtype="bfloat16"), key=jax.random.key(0)))
     for a, b in zip(jax.tree.leaves(eqx.filter(f32, eqx.is_array)), jax.tree.leaves(eqx.filter(bf16, eqx.is_array)),
                     strict=True):
         assert a.dtype == b.dtype == jnp.float32 and np.array_equal(a, b)  # same float32 parameters

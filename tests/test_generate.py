@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mode_case, write_checkpoint
+from helpers import mode_case, perturbed, write_checkpoint
 
 import nash_mhc
 from nash_mhc import LanguageModel, ModelConfig, TrainConfig
@@ -30,18 +30,11 @@ MODES += [("mhc-lite", "multiscale", "nash"), ("mhc", "multiscale", "gate")]
 # r=3 → blocks 1,3,9 (16 = 5·3 + 1 = 9 + 7) checks the input ring with a block size that is not a power of 2.
 # Modes outside the quick loop's covering set (tests/helpers.py) run with the slow tests, a compilation each; the
 # convex aggregation's cache path is the Nash one's (weights from the same per-position outputs), so it is slow too.
+# r=3 is slow as well: the quick loop's prefill test feeds the same ring (blocks 1, 3, 9) a prompt and a step.
 CASES = [mode_case(mode, 2, 24, 22) if mode[2] != "convex" else pytest.param(*mode, 2, 24, 22,
                                                                              marks=pytest.mark.slow)
-         for mode in MODES] + [("mhc", "multiscale", "nash", 3, 18, 16)]
+         for mode in MODES] + [pytest.param("mhc", "multiscale", "nash", 3, 18, 16, marks=pytest.mark.slow)]
 TOLERANCE = 1e-5
-
-
-def noisy(model: LanguageModel, seed: int = 1) -> LanguageModel:
-    """Train-like parameters: every leaf moved off its symmetric initial value, so no branch is inert."""
-    leaves, treedef = jax.tree.flatten(eqx.filter(model, eqx.is_array))
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    moved = [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
-    return eqx.combine(jax.tree.unflatten(treedef, moved), model)
 
 
 @eqx.filter_jit
@@ -61,7 +54,7 @@ def test_cached_decoding_matches_the_full_forward_at_every_position(residual, at
                                                                     seq_len, fed):
     config = ModelConfig.preset("tiny", residual=residual, attention=attention, aggregation=aggregation,
                                 compression_ratio=ratio, seq_len=seq_len)
-    model = noisy(LanguageModel(config, key=jax.random.key(0)))
+    model = perturbed(LanguageModel(config, key=jax.random.key(0)))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, fed), jnp.int32)
     full, cached = map(np.asarray, full_and_cached(model, tokens))
     real = slice(0, config.vocab_size)
@@ -83,7 +76,7 @@ def prefill_then_step(model: LanguageModel, tokens: jax.Array, length: jax.Array
 
 def test_prefill_of_a_padded_prompt_matches_the_full_forward():
     config = ModelConfig.preset("tiny", compression_ratio=3, seq_len=18)
-    model = noisy(LanguageModel(config, key=jax.random.key(0)))
+    model = perturbed(LanguageModel(config, key=jax.random.key(0)))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, 16), jnp.int32)
     for length in (1, 9, 13):  # one compilation: the prompt length is traced
         full, after_prompt, following = map(np.asarray, prefill_then_step(model, tokens, jnp.asarray(length)))
@@ -95,7 +88,7 @@ def test_prefill_of_a_padded_prompt_matches_the_full_forward():
 @pytest.fixture(scope="module")
 def model() -> LanguageModel:
     config = ModelConfig.preset("tiny", seq_len=32)
-    return noisy(LanguageModel(config, key=jax.random.key(0)), seed=2)
+    return perturbed(LanguageModel(config, key=jax.random.key(0)), seed=2)
 
 
 GREEDY = dict(temperature=0)

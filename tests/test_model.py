@@ -11,6 +11,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import perturbed
 
 from nash_mhc import LanguageModel, ModelConfig
 from nash_mhc.model import Block
@@ -21,14 +22,6 @@ SEQ = 32
 def tokens(seed: int = 0, seq: int = SEQ, batch: int | None = None) -> jax.Array:
     shape = (seq,) if batch is None else (batch, seq)
     return jax.random.randint(jax.random.key(seed), shape, 0, 259)
-
-
-def perturbed(model: LanguageModel, scale: float = 0.05, seed: int = 1) -> LanguageModel:
-    """Move every parameter off its symmetric initial value (a stand-in for a trained model)."""
-    leaves, treedef = jax.tree.flatten(eqx.filter(model, eqx.is_array))
-    rng = np.random.default_rng(seed)  # NumPy: no per-shape compilation of jax.random
-    noisy = [x + jnp.asarray(scale * rng.standard_normal(x.shape), x.dtype) for x in leaves]
-    return eqx.combine(jax.tree.unflatten(treedef, noisy), model)
 
 
 def lm_loss(model: LanguageModel, batch: jax.Array) -> jax.Array:
@@ -56,6 +49,7 @@ def full_attention_twin(model: LanguageModel) -> LanguageModel:
                        (model.blocks.attn.wq[:, :1], model.blocks.attn.wk[:, :1]))
 
 
+@pytest.mark.slow  # multi-second (a compilation per structure), an initialisation property, not an invariant
 @pytest.mark.parametrize("aggregation", ["nash", "gate", "convex"])
 def test_the_multiscale_model_starts_as_full_attention(aggregation):
     """At initialisation the prior puts 0.99 of each position's attention output on scale 0, so the multiscale
