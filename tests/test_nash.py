@@ -230,7 +230,7 @@ def test_every_aggregation_starts_almost_entirely_on_scale_zero():
     outputs = jnp.asarray(random_outputs(3, 64, 3, 16))
     available = jnp.asarray(np.arange(64)[:, None] + 1 >= np.array([1, 2, 4])[None, :])
     for mode in ("nash", "gate", "convex"):
-        weights = aggregation(mode)(slabs(outputs), available).weights
+        weights = eqx.filter_jit(lambda layer, o, a: layer(slabs(o), a).weights)(aggregation(mode), outputs, available)
         assert float(jnp.min(weights[:, 0])) >= 0.99 - 1e-6, mode
     np.testing.assert_allclose(np.asarray(prior_weights(aggregation("convex").prior, jnp.ones((1, 3), bool))),
                                [[0.99, 0.005, 0.005]], atol=1e-6)
@@ -240,24 +240,22 @@ def test_the_gate_starts_at_the_prior_and_learns_from_the_outputs():
     outputs = jnp.asarray(random_outputs(5, 16, 3, 16))
     available = jnp.ones((16, 3), bool)
     layer = aggregation("gate", prior=[0.3, -0.2, 0.5])
-    np.testing.assert_allclose(np.asarray(layer(slabs(outputs), available).weights),
-                               np.asarray(prior_weights(layer.prior, available)), atol=1e-7)
-    grad = jax.grad(lambda g: jnp.sum(gate_weights(slabs(outputs), available, layer.prior, g)[:, 1] * jnp.arange(16)))(
-        layer.gate)
+    initial = eqx.filter_jit(lambda layer: layer(slabs(outputs), available).weights)(layer)
+    np.testing.assert_allclose(np.asarray(initial), np.asarray(prior_weights(layer.prior, available)), atol=1e-7)
+    weights = jax.jit(lambda g: gate_weights(slabs(outputs), available, layer.prior, g))  # one compilation each
+    grad = jax.jit(jax.grad(lambda g: jnp.sum(weights(g)[:, 1] * jnp.arange(16))))(layer.gate)
     assert float(jnp.max(jnp.abs(grad))) > 1e-3  # zero-initialised but not stuck
-    moved = gate_weights(slabs(outputs), available, layer.prior, grad)
-    assert float(jnp.max(jnp.abs(moved - layer(slabs(outputs), available).weights))) > 0.01  # input-dependent
+    assert float(jnp.max(jnp.abs(weights(grad) - initial))) > 0.01  # input-dependent
 
 
 def test_the_temperature_is_learned_and_changes_the_weights():
     outputs = jnp.asarray(random_outputs(4, 16, 3, 16))
     available = jnp.ones((16, 3), bool)
     prior = jnp.asarray([0.5, 0.0, 0.0])
-    hot = nash_weights(slabs(outputs), available, prior, jnp.asarray(10.0), num_iters=16)[0]
-    cold = nash_weights(slabs(outputs), available, prior, jnp.asarray(0.01), num_iters=16)[0]
+    weights = jax.jit(lambda t: nash_weights(slabs(outputs), available, prior, t, num_iters=16)[0])
+    hot, cold = weights(jnp.asarray(10.0)), weights(jnp.asarray(0.01))
     assert float(jnp.max(jnp.abs(hot - cold))) > 0.02
-    grad = jax.grad(lambda t: jnp.sum(nash_weights(slabs(outputs), available, prior, t, num_iters=16)[0][:, 1]))(
-        jnp.asarray(0.1))
+    grad = jax.jit(jax.grad(lambda t: jnp.sum(weights(t)[:, 1])))(jnp.asarray(0.1))
     assert bool(jnp.isfinite(grad)) and float(grad) != 0.0
 
 
