@@ -22,8 +22,8 @@ time (docs/tpu.md). The backward kernel writes dw as float32 partial sums per (s
 
 Each ``pallas_call`` declares its cost (:func:`kernel_costs`); the kernels run on each device's sequences
 (:func:`nash_mhc.sharding.per_shard`: batch over data x fsdp, positions and columns whole). They run on TPU only
-(:func:`nash_mhc.ops.multiscale.downsample` dispatches with ``jax.lax.platform_dependent``); ``interpret=True``
-runs them in Pallas' interpreter (CPU tests).
+(:func:`nash_mhc.ops.multiscale.downsample` dispatches with :func:`nash_mhc.ops.dispatch.platform_vjp`, forward and
+backward); ``interpret=True`` runs them in Pallas' interpreter (CPU tests).
 """
 
 from __future__ import annotations
