@@ -2,7 +2,7 @@
 operations, from an optimised HLO module that ``benchmarks/tpu_estimate.py --hlo-dir DIR`` kept.
 
     python benchmarks/estimate_breakdown.py DIR/1b_v6e-8_plain+full_16_main.hlo.gz [--top 12] \
-        [--device-kind "TPU v6 lite"] [--by-source] [--against OTHER.hlo.gz]
+        [--device-kind "TPU v6 lite"] [--by-source | --by-part] [--against OTHER.hlo.gz]
 
 Each operation counts estimated_cycles x the trip counts of the loops around it (as
 :func:`nash_mhc.training.estimate.step_cost` does); a Pallas kernel counts its declared cost at the roofline of
@@ -10,8 +10,9 @@ Each operation counts estimated_cycles x the trip counts of the loops around it 
 operation, or for a fusion the root operation of the fused computation; "matmul" says whether the operation
 contains a convolution or dot, or for a kernel whether its FLOPs (not its bytes) set its roofline.
 ``--by-source`` adds the cycles up by the line of nash_mhc that each operation comes from (the innermost frame
-of its HLO stack trace inside the package); ``--against`` prints that table beside another module's (before /
-after a change, same operations matched by source line).
+of its HLO stack trace inside the package); ``--by-part`` by part of the model (:func:`part`: layout copies first,
+then by source file); ``--against`` prints either table beside another module's (before / after a change, or one
+variant against another).
 """
 
 from __future__ import annotations
@@ -94,6 +95,57 @@ def by_source(text: str, device_kind: str | None) -> collections.Counter[str]:
     return totals
 
 
+# (part, source files): an operation belongs to the first part one of whose files its source line is in
+PARTS = (
+    ("Nash aggregation: kernels", ()),  # Pallas kernels of the aggregation files below
+    ("Nash aggregation: XLA", ("ops/aggregation.py", "ops/aggregation_kernels.py", "layers/aggregation.py")),
+    ("mHC streams", ("ops/stream_collapse.py", "ops/stream_mix.py", "ops/sinkhorn", "layers/hyperconnection.py")),
+    ("multiscale resampling", ("ops/multiscale.py", "ops/downsample_kernel.py", "ops/upsample_kernel.py")),
+    ("attention: flash kernels", ()),  # Pallas kernels of ops/flash_attention.py
+    ("attention: projections", ("layers/attention.py",)),  # their matmuls; the rest is "attention: other"
+    ("attention: other", ("ops/flash_attention.py", "ops/attention.py")),
+    ("RoPE", ("ops/rope",)),
+    ("FFN", ("layers/ffn.py",)),
+    ("norms", ("layers/norm.py",)),
+    ("train step: loss, clipping, update", ("training/step.py",)),
+)
+LAYOUT = "layout copies (copy, transpose, bitcast roots; no matmul)"
+OTHER = "everything else (model.py: embedding, LM head, residual adds; no source line)"
+
+
+def part(source: str, kind: str, matmul: bool, name: str) -> str:
+    """The part of the model an operation belongs to: a copy, transpose or bitcast-rooted fusion without a matmul
+    is a layout copy wherever it comes from; otherwise its source file (:data:`PARTS`), a Pallas kernel of the
+    aggregation or flash attention to its own part, the attention layer's non-matmul operations to "attention:
+    other"."""
+    if not matmul and kind != "Pallas kernel" and re.search(r"copy|transpose|bitcast", kind + " " + name):
+        return LAYOUT
+    path = source.split(" ", 1)[0]
+    for label, files in PARTS:
+        if any(path.startswith(f) for f in files):
+            if label == "Nash aggregation: XLA" and kind == "Pallas kernel":
+                return "Nash aggregation: kernels"
+            if label == "attention: other" and kind == "Pallas kernel" and "flash" in path:
+                return "attention: flash kernels"
+            if label == "attention: projections" and not matmul:
+                return "attention: other"
+            return label
+    return OTHER
+
+
+def by_part(text: str, device_kind: str | None) -> collections.Counter[str]:
+    """{part of the model: estimated cycles per step} of the module (:func:`part`)."""
+    frames = source_lines(text)
+    computations, _ = estimate.parse_hlo(text)
+    ops = {op.name: op for ops in computations.values() for op in ops}
+    totals: collections.Counter[str] = collections.Counter()
+    for cycles, _, _, kind, matmul, _, name in breakdown(text, device_kind):
+        match = re.search(r"stack_frame_id=(\d+)", ops[name].rest)
+        source = frames.get(int(match.group(1)), "?") if match else "(no source)"
+        totals[part(source, kind, matmul, name)] += cycles
+    return totals
+
+
 def read(path: str) -> str:
     raw = Path(path).read_bytes()
     return (gzip.decompress(raw) if path.endswith(".gz") else raw).decode()
@@ -105,13 +157,19 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12, help="how many kinds and operations to list")
     parser.add_argument("--device-kind", default="TPU v6 lite", choices=sorted(estimate.CLOCK_HZ),
                         help="the chip whose roofline costs Pallas kernels")
-    parser.add_argument("--by-source", action="store_true", help="cycles by the nash_mhc source line instead")
-    parser.add_argument("--against", default=None, help="with --by-source: a second module to compare with")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--by-source", action="store_true", help="cycles by the nash_mhc source line instead")
+    group.add_argument("--by-part", action="store_true", help="cycles by part of the model instead")
+    parser.add_argument("--against", default=None, help="with --by-source or --by-part: a second module to compare "
+                        "with")
     args = parser.parse_args()
+    if args.against and not (args.by_source or args.by_part):
+        parser.error("--against needs --by-source or --by-part")
     text = read(args.hlo)
-    if args.by_source:
-        totals = by_source(text, args.device_kind)
-        other = by_source(read(args.against), args.device_kind) if args.against else None
+    if args.by_source or args.by_part:
+        tally = by_source if args.by_source else by_part
+        totals = tally(text, args.device_kind)
+        other = tally(read(args.against), args.device_kind) if args.against else None
         total = sum(totals.values())
         print(f"{total:.4g} cycles per step" + (f" ({sum(other.values()):.4g} in --against)" if other else ""))
         if other is None:
