@@ -83,15 +83,23 @@ def source_lines(text: str) -> dict[int, str]:
     return lines
 
 
-def by_source(text: str, device_kind: str | None) -> collections.Counter[str]:
-    """{source line: estimated cycles per step} of the module (see :func:`source_lines`)."""
+def sourced(text: str, device_kind: str | None) -> list[tuple[str, tuple[int, int, int, str, bool, str, str]]]:
+    """(source line, :func:`breakdown` row) of every costed operation (see :func:`source_lines`)."""
     frames = source_lines(text)
     computations, _ = estimate.parse_hlo(text)
     ops = {op.name: op for ops in computations.values() for op in ops}
+    rows = []
+    for row in breakdown(text, device_kind):
+        match = re.search(r"stack_frame_id=(\d+)", ops[row[-1]].rest)
+        rows.append((frames.get(int(match.group(1)), "?") if match else "(no source)", row))
+    return rows
+
+
+def by_source(text: str, device_kind: str | None) -> collections.Counter[str]:
+    """{source line: estimated cycles per step} of the module."""
     totals: collections.Counter[str] = collections.Counter()
-    for cycles, *_, name in breakdown(text, device_kind):
-        match = re.search(r"stack_frame_id=(\d+)", ops[name].rest)
-        totals[frames.get(int(match.group(1)), "?") if match else "(no source)"] += cycles
+    for source, row in sourced(text, device_kind):
+        totals[source] += row[0]
     return totals
 
 
@@ -135,13 +143,8 @@ def part(source: str, kind: str, matmul: bool, name: str) -> str:
 
 def by_part(text: str, device_kind: str | None) -> collections.Counter[str]:
     """{part of the model: estimated cycles per step} of the module (:func:`part`)."""
-    frames = source_lines(text)
-    computations, _ = estimate.parse_hlo(text)
-    ops = {op.name: op for ops in computations.values() for op in ops}
     totals: collections.Counter[str] = collections.Counter()
-    for cycles, _, _, kind, matmul, _, name in breakdown(text, device_kind):
-        match = re.search(r"stack_frame_id=(\d+)", ops[name].rest)
-        source = frames.get(int(match.group(1)), "?") if match else "(no source)"
+    for source, (cycles, _, _, kind, matmul, _, name) in sourced(text, device_kind):
         totals[part(source, kind, matmul, name)] += cycles
     return totals
 
