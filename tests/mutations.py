@@ -57,6 +57,14 @@ MUTATIONS = {
                                                  [("tpu=pullback(tpu), default=pullback(default)",
                                                    "tpu=pullback(tpu), default=pullback(tpu)")],
                                                  ["tests/test_dispatch.py"]),
+    "aggregation reads every head-major tile at head 0": (
+        "nash_mhc/ops/aggregation_kernels.py", [("lambda t, d: (t // per_seq, d, t % per_seq, 0)",
+                                                 "lambda t, d: (t // per_seq, 0, t % per_seq, 0)")],
+        ["tests/test_aggregation_kernels.py"]),
+    "aggregation splits head-major operands by position": (
+        "nash_mhc/ops/aggregation_kernels.py", [('HEADS, ROWS, SMALL = ("batch", "features", "seq", "head_dim")',
+                                                 'HEADS, ROWS, SMALL = ("seq", "features", "batch", "head_dim")')],
+        ["tests/test_aggregation_kernels.py"]),
     "platform_vjp keeps both forms' residuals": ("nash_mhc/ops/dispatch.py",
                                                  [("    f.defvjp(forward, backward)\n    return f\n",
                                                    "    f.defvjp(forward, backward)\n    return lambda *a: "

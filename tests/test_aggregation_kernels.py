@@ -137,7 +137,8 @@ def loss(kernels: bool, target):
     def f(outputs, prior, tau, available):
         out, w, residual = nash_aggregate(outputs, available, prior, tau, num_iters=20, kernels=kernels,
                                           interpret=kernels)
-        return jnp.sum(out.astype(jnp.float32) * target) + jnp.sum(w[..., 1] ** 2) + jnp.sum(residual)
+        return (jnp.sum(out.astype(jnp.float32).reshape(target.shape) * target) + jnp.sum(w[..., 1] ** 2)
+                + jnp.sum(residual))
     return f
 
 
@@ -178,6 +179,55 @@ def test_under_a_mesh_each_shard_runs_the_kernels_on_its_positions():
     np.testing.assert_array_equal(np.asarray(sharded_sums), np.asarray(one_sums))
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(one), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
+
+
+def heads(x):
+    """A [B, T, D] output as the multi-head [B, T, H, K] one (K = 128)."""
+    return x.reshape(*x.shape[:-1], D // 128, 128)
+
+
+def test_a_head_major_first_output_gives_the_rows_function_and_gradients():
+    """The fine output as [B, T, H, K] (read head-major by the kernels, one head per column tile): value and
+    gradients those of the same output as rows [B, T, H K], with the kernels and in the XLA form (there bit for
+    bit: it reshapes to rows); the combined output and the fine output's gradient come back [B, T, H, K]."""
+    outputs, available, target = problem(seed=6)
+    prior, tau = jnp.asarray([0.4, -0.2, 0.1]), jnp.asarray(0.05)
+    for kernels in (True, False):
+        f = loss(kernels, target)
+        want = jax.value_and_grad(f, argnums=(0, 1, 2))(outputs, prior, tau, available)
+        got = jax.value_and_grad(lambda o, *a, f=f: f([heads(o[0]), *o[1:]], *a), argnums=(0, 1, 2))(
+            outputs, prior, tau, available)
+        combined = nash_aggregate([heads(outputs[0]), *outputs[1:]], available, prior, tau, num_iters=20,
+                                  kernels=kernels, interpret=kernels)[0]
+        assert combined.shape == (2, T, D // 128, 128)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            if kernels:  # other column tiles: the sums over D add in another order
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                           atol=1e-6 * np.abs(np.asarray(b)).max())
+            else:
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_head_major_output_under_a_mesh_splits_every_operand_by_batch():
+    """(data 2, fsdp 2, tp 2) with a batch of 2, which data x fsdp = 4 does not divide: batch falls back to data
+    while the flattened positions would split four ways; with a head-major operand every operand keeps its batch
+    axis, so all split alike and the result is one device's."""
+    outputs, available, target = problem(seed=7, batch=2)
+    outputs = [heads(outputs[0]), *outputs[1:]]
+    prior, tau = jnp.asarray([0.4, -0.2, 0.1]), jnp.asarray(0.05)
+    grad = jax.jit(jax.value_and_grad(loss(True, target), argnums=(0, 1, 2)))
+    one = grad(outputs, prior, tau, available)
+    with jax.set_mesh(make_mesh(2, 2, 2)):
+        sharded = grad(outputs, prior, tau, available)
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(one), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
+
+
+def test_a_head_major_output_needs_rows_of_its_width_beside_it():
+    outputs, available, _ = problem()
+    with pytest.raises(ValueError, match=r"a \[B, T, H, K\] first output needs the others \[B, T, H K\]"):
+        nash_aggregate([heads(outputs[0]), outputs[1][:, :, :128]], available[..., :2], jnp.zeros(2),
+                       jnp.asarray(0.1), num_iters=4)
 
 
 def test_bad_tiles_are_refused_with_one_line():

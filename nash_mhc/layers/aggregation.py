@@ -20,12 +20,13 @@ from nash_mhc.params import param
 class Aggregated(NamedTuple):
     """What one aggregation returns (leading axes: batch, then T positions).
 
-    output: [..., T, D] sum_l w_l O_l.  weights: [..., T, L] (0 on unavailable scales).
+    output: [..., T, D] sum_l w_l O_l (the first output's [B, T, H, K] where it is one).  weights: [..., T, L] (0 on
+    unavailable scales).
     entropy: [..., T] normalised entropy of the weights (0 where fewer than 2 scales are available).
     residual: [..., T] max_l |w - BR(w)| of the Nash equilibrium (0 for the convex aggregation).
     """
 
-    output: Float[Array, "*batch seq dim"]
+    output: Float[Array, "..."]
     weights: Float[Array, "*batch seq scales"]
     entropy: Float[Array, "*batch seq"]
     residual: Float[Array, "*batch seq"]
@@ -50,7 +51,9 @@ class ScaleAggregation(eqx.Module):
     prior): the baseline for ``nash`` that learns from the same outputs without a game. ``convex``: softmax(b)
     alone, masked to the available scales (a constant per layer). b starts at :func:`initial_prior` (scale 0
     weighs :data:`SCALE0_PRIOR_WEIGHT`). All rematerialise in the backward pass (only the outputs are kept). The
-    outputs come as L separate [..., T, D] arrays, never stacked (:mod:`nash_mhc.ops.aggregation`).
+    outputs come as L separate [..., T, D] arrays, never stacked (:mod:`nash_mhc.ops.aggregation`); the first may
+    be a multi-head output [B, T, H, K], which ``nash`` reads as it is (its TPU kernels, head-major) and the
+    others as rows; ``output`` then has its shape.
     """
 
     prior: Float[Array, "scales"] = param("coefficient", "scales", group="aggregation_prior")
@@ -73,9 +76,11 @@ class ScaleAggregation(eqx.Module):
         return None if self.log_temperature is None else jnp.exp(self.log_temperature)
 
     @jaxtyped(typechecker=beartype)
-    def __call__(self, outputs: Sequence[Float[Array, "*batch seq dim"]], available: Bool[Array, "seq scales"]
+    def __call__(self, outputs: Sequence[Float[Array, "..."]], available: Bool[Array, "seq scales"]
                  ) -> Aggregated:
-        available = jnp.broadcast_to(available, (*outputs[0].shape[:-1], len(outputs)))
+        if outputs[0].ndim == 4 and self.log_temperature is None:  # only the Nash kernels read [B, T, H, K]
+            outputs = [outputs[0].reshape(outputs[-1].shape), *outputs[1:]]
+        available = jnp.broadcast_to(available, (*outputs[-1].shape[:-1], len(outputs)))
 
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def aggregate(outputs: list[jax.Array], params: tuple[jax.Array, jax.Array | None, jax.Array | None]

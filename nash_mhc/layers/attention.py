@@ -145,7 +145,8 @@ class MultiscaleAttention(eqx.Module):
             weights = jnp.ones((batch, seq, 1), jnp.float32)
             entropy = residual = jnp.zeros((batch, seq), jnp.float32)
         else:
-            outputs, masks = [fine.reshape(batch, seq, dim)], [jnp.ones((seq,), bool)]
+            # the fine output stays [B, T, H, K]: the Nash kernels read it where flash attention left it
+            outputs, masks = [fine], [jnp.ones((seq,), bool)]
             for level, block in enumerate(self.block_sizes[1:], start=1):
                 x_l = self.coarse_input(level, x)
                 v_l = downsample_heads(v, self.down[level - 1].astype(dt))

@@ -386,7 +386,7 @@ def _equilibrium(raw: jax.Array, scale: jax.Array, available: jax.Array, prior: 
 
 @jaxtyped(typechecker=beartype)
 def nash_aggregate(
-    outputs: Sequence[Float[Array, "*batch dim"]],
+    outputs: Sequence[Float[Array, "..."]],
     available: Bool[Array, "*#batch scales"],
     prior: Float[Array, "scales"],
     temperature: Float[Array, ""],
@@ -394,7 +394,7 @@ def nash_aggregate(
     num_iters: int,
     kernels: bool = False,
     interpret: bool = False,
-) -> tuple[Float[Array, "*batch dim"], Float[Array, "*batch scales"], Float[Array, "*batch"]]:
+) -> tuple[Float[Array, "..."], Float[Array, "*batch scales"], Float[Array, "*batch"]]:
     """(sum_l w_l O_l, weights, residual): :func:`combine` of :func:`nash_weights`, with a hand-written backward
     pass over the outputs O_l [..., D].
 
@@ -412,10 +412,24 @@ def nash_aggregate(
     :mod:`nash_mhc.ops.aggregation_kernels`: forward, the Gram matrix and scale in one read of the outputs and the
     weighted sum in another; backward, the dots with the sum's cotangent, then every output's gradient in one pass
     (:func:`_pullback_coefficients`). ``interpret=True`` runs those kernels in Pallas' interpreter.
+
+    The first output may be a multi-head attention output [B, T, H, K] (then every other one is [B, T, H K]): the
+    kernels read it, and write the combined output and its gradient, head-major, the layout flash attention's
+    kernels leave it in, so no copy turns it into rows and back (docs/tpu.md); the combined output is then [B, T,
+    H, K]. The XLA form reshapes it to rows.
     """
     if num_iters < 1:
         raise ValueError(f"nash_aggregate needs num_iters >= 1, got {num_iters}")
-    available = jnp.broadcast_to(available, (*outputs[0].shape[:-1], len(outputs)))
+    first = outputs[0].shape
+    if len(first) == 4 and (len(outputs) < 2 or any(o.shape != (*first[:2], first[2] * first[3]) for o in outputs[1:])):
+        raise ValueError(f"nash_aggregate: a [B, T, H, K] first output needs the others [B, T, H K], got "
+                         f"{[o.shape for o in outputs]}")
+    available = jnp.broadcast_to(available, (*outputs[-1].shape[:-1], len(outputs)))
+    if len(first) == 4 and not kernels:
+        outputs = [o.reshape(outputs[-1].shape) for o in outputs]
+        out, weights, residual = _nash_aggregate(tuple(outputs), available, prior, temperature, num_iters,
+                                                 (kernels, interpret))
+        return out.reshape(first), weights, residual
     return _nash_aggregate(tuple(outputs), available, prior, temperature, num_iters, (kernels, interpret))
 
 
@@ -451,7 +465,7 @@ def _nash_forward(outputs: tuple[jax.Array, ...], available: jax.Array, prior: j
     kept = None
     if kernels[0]:
         sums = aggregation_kernels.gram_sums(outputs, available, interpret=kernels[1])
-        raw, scale, kept = _gram_from_sums(sums, available, outputs[0].shape[-1])
+        raw, scale, kept = _gram_from_sums(sums, available, outputs[-1].shape[-1])
     else:
         outputs = jax.lax.optimization_barrier(outputs)
         raw, scale = centred_gram(outputs, available)
@@ -485,7 +499,7 @@ def _nash_aggregate_bwd(num_iters: int, kernels: tuple[bool, bool], saved: tuple
     if kernels[0]:  # the weights' gradient through sum_l w_l O_l, the game's, then the outputs' in one pass
         d_weights = d_weights + aggregation_kernels.output_dots(outputs, d_combined, interpret=kernels[1])
         d_raw, d_scale, d_prior, d_temperature = game_vjp((d_weights, d_residual))
-        coefficients = _pullback_coefficients(available, weights, kept, d_raw, d_scale, outputs[0].shape[-1])
+        coefficients = _pullback_coefficients(available, weights, kept, d_raw, d_scale, outputs[-1].shape[-1])
         d_outputs = aggregation_kernels.gram_pullback(outputs, d_combined, coefficients, interpret=kernels[1])
         return d_outputs, None, d_prior, d_temperature
     d_sum = d_combined.astype(weights.dtype)

@@ -19,6 +19,11 @@ per-position number is one column of a [tokens, k] tile, broadcast over the lane
 tiles of [tokens, D-columns]; the reductions add each tile's float32 sums into the token tile's row of the result
 (the grid's inner axis runs over the columns). Everything is computed in float32 and rounded once.
 
+The first output may instead be a multi-head attention output [B, T, H, K] (the others [B, T, H K]): the kernels
+then read it, and write the combined output and its gradient, head-major ([B, H, T, K], one head's K columns per
+column tile), the layout flash attention's kernels give it. As rows it was copied there and back around every
+kernel: 9.4 ms of the `1b` Nash-MHC step's 186.1 on v6e-8 (docs/tpu.md).
+
 Each ``pallas_call`` declares its cost (:func:`kernel_costs`). The kernels run on TPU only (the aggregation layer
 dispatches with ``jax.lax.platform_dependent``); ``interpret=True`` runs them in Pallas' interpreter (CPU tests).
 Each kernel's body is also its XLA form (applied to whole [T, D] arrays), used where no tile divides a shard's
@@ -42,6 +47,16 @@ from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
 TOKENS, COLUMNS = ("tokens", "features"), ("tokens", "scales")  # logical names for per_shard
+# With a head-major operand every operand keeps its batch axis, so each splits over the batch axes alike
+HEADS, ROWS, SMALL = ("batch", "features", "seq", "head_dim"), ("batch", "seq", "features"), ("batch", "seq", "scales")
+
+
+def _tokens_dim(a: jax.Array) -> tuple[int, int]:
+    """(positions, D) of a shard's operand: [T, D] rows or a head-major [B, H, T, K]."""
+    if a.ndim == 4:
+        batch, heads, seq, head_dim = a.shape
+        return batch * seq, heads * head_dim
+    return a.shape
 
 
 def pairs(scales: int) -> list[tuple[int, int]]:
@@ -190,15 +205,33 @@ def _run(kernel, xla, arrays, small, out, reduce, *, blocks, interpret, cost) ->
     """The results (a tuple) of ``kernel`` on one shard's [T, D] ``arrays`` (and the [T, k] ``small``, or None), or
     of ``xla`` (a list) where no tile divides the shard."""
     operands = [*arrays] + ([small] if small is not None else [])
-    tokens, dim = arrays[0].shape
-    tiles = _tiles(blocks, tokens, dim)
-    if tiles is None:
-        return tuple(xla(*operands))
-    tm, td = tiles
-    tile = pl.BlockSpec((tm, td), lambda t, d: (t, d))
-    specs = [tile] * len(arrays) + ([pl.BlockSpec((tm, small.shape[1]), lambda t, d: (t, 0))]
-                                    if small is not None else [])
-    out_specs = [pl.BlockSpec((tm, o.shape[1]), lambda t, d: (t, 0)) if reduce else tile for o in out]
+    tokens, dim = _tokens_dim(arrays[0])
+    head_major = [a for a in arrays if a.ndim == 4]
+    if head_major:  # one head's K columns per column tile, token tiles within a sequence
+        _, _, seq, head_dim = head_major[0].shape
+        tiles = mix_blocks(seq, head_dim)
+        if tiles is None:  # the XLA form on rows
+            rows = [jnp.swapaxes(a, 1, 2).reshape(-1, a.shape[1] * a.shape[3]) if a.ndim == 4 else a for a in operands]
+            return tuple(jnp.swapaxes(r.reshape(o.shape[0], o.shape[2], o.shape[1], o.shape[3]), 1, 2)
+                         if len(o.shape) == 4 else r for r, o in zip(xla(*rows), out, strict=True))
+        tm, td, per_seq = tiles[0], head_dim, seq // tiles[0]
+    else:
+        tiles = _tiles(blocks, tokens, dim)
+        if tiles is None:
+            return tuple(xla(*operands))
+        tm, td = tiles
+        per_seq = 1
+
+    def tile(four: bool) -> pl.BlockSpec:
+        """A [tm, td] tile: of a head-major [B, H, T, K] operand (head d, positions of sequence t // per_seq) or of
+        rows [T, D]."""
+        if four:
+            return pl.BlockSpec((None, None, tm, td), lambda t, d: (t // per_seq, d, t % per_seq, 0))
+        return pl.BlockSpec((tm, td), lambda t, d: (t, d))
+    specs = [tile(a.ndim == 4) for a in arrays] + ([pl.BlockSpec((tm, small.shape[1]), lambda t, d: (t, 0))]
+                                                    if small is not None else [])
+    out_specs = [pl.BlockSpec((tm, o.shape[1]), lambda t, d: (t, 0)) if reduce else tile(len(o.shape) == 4)
+                 for o in out]
     result = pl.pallas_call(
         kernel, grid=(tokens // tm, dim // td), in_specs=specs, out_specs=out_specs, out_shape=list(out),
         cost_estimate=cost(arrays), interpret=interpret,
@@ -208,7 +241,7 @@ def _run(kernel, xla, arrays, small, out, reduce, *, blocks, interpret, cost) ->
 
 
 def _costs(arrays, g_bytes: int | None = None) -> KernelCosts:
-    (tokens, dim), scales = arrays[0].shape, len(arrays)
+    (tokens, dim), scales = _tokens_dim(arrays[0]), len(arrays)
     x_bytes = arrays[0].dtype.itemsize
     return kernel_costs(scales, tokens, dim, x_bytes, x_bytes if g_bytes is None else g_bytes)
 
@@ -217,14 +250,14 @@ def _gram_shard(*operands, blocks, interpret):
     *outputs, mask = operands
     columns = stat_columns(len(outputs))
     return _run(_gram_kernel, lambda *a: [_reduce(_gram_columns(a[:-1], a[-1]))], outputs, mask,
-                [jax.ShapeDtypeStruct((outputs[0].shape[0], columns), F32)], True, blocks=blocks,
+                [jax.ShapeDtypeStruct((_tokens_dim(outputs[0])[0], columns), F32)], True, blocks=blocks,
                 interpret=interpret, cost=lambda a: _costs(a).gram)[0]
 
 
 def _dots_shard(*operands, blocks, interpret):
     *outputs, g = operands
     return _run(_dots_kernel, lambda *a: [_reduce([x.astype(F32) * a[-1].astype(F32) for x in a[:-1]])],
-                [*outputs, g], None, [jax.ShapeDtypeStruct((g.shape[0], len(outputs)), F32)], True,
+                [*outputs, g], None, [jax.ShapeDtypeStruct((_tokens_dim(g)[0], len(outputs)), F32)], True,
                 blocks=blocks, interpret=interpret, cost=lambda a: _costs(a[:-1], g.dtype.itemsize).dots)[0]
 
 
@@ -247,11 +280,49 @@ def _flat(a: jax.Array) -> jax.Array:
     return a.reshape(-1, a.shape[-1])
 
 
-def _sharded(shard, arrays: Sequence[jax.Array], small: Sequence[jax.Array], out_names, blocks, interpret):
-    """``shard`` on each device's positions of the flattened [..., D] ``arrays`` and [..., k] ``small``."""
+def _head_major(a: jax.Array) -> bool:
+    """Whether ``a`` is a multi-head output [B, T, H, K], read by the kernels head-major (module docstring)."""
+    return a.ndim == 4
+
+
+def _as_tuple(result) -> tuple[jax.Array, ...]:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _sharded(shard, arrays: Sequence[jax.Array], small: Sequence[jax.Array], out_like, blocks, interpret
+             ) -> tuple[jax.Array, ...]:
+    """``shard`` on each device's positions of the [..., D] (or [B, T, H, K]) ``arrays`` and [..., k] ``small``.
+    ``out_like``: per result, (its shape, its kind: "rows" [..., D], "small" [..., k] or "heads" [B, T, H, K]).
+
+    Rows are flattened to [positions, D]. With a head-major operand, every operand keeps its batch axis under
+    :func:`nash_mhc.sharding.per_shard`, so all of them split over the batch axes alike whatever divides, and is
+    flattened inside the shard; the [B, T, H, K] operands are passed as [B, H, T, K], the layout flash attention's
+    kernels give them, so that transpose is no copy."""
     run = functools.partial(shard, blocks=blocks, interpret=interpret)
-    names = (TOKENS,) * len(arrays) + (COLUMNS,) * len(small)
-    return per_shard(run, names, out_names)(*map(_flat, arrays), *map(_flat, small))
+    if not any(map(_head_major, arrays)):
+        names = (TOKENS,) * len(arrays) + (COLUMNS,) * len(small)
+        out_names = tuple(COLUMNS if kind == "small" else TOKENS for _, kind in out_like)
+        results = per_shard(lambda *a: _as_tuple(run(*a)), names, out_names)(*map(_flat, arrays), *map(_flat, small))
+        return tuple(r.reshape(shape) for r, (shape, _) in zip(results, out_like, strict=True))
+
+    batch, seq = arrays[0].shape[:2]
+
+    def on_shard(*operands: jax.Array) -> tuple[jax.Array, ...]:
+        local = operands[0].shape[0]
+        results = _as_tuple(run(*(a if a.ndim == 4 else _flat(a) for a in operands)))
+        return tuple(r if kind == "heads" else r.reshape(local, seq, r.shape[-1])
+                     for r, (_, kind) in zip(results, out_like, strict=True))
+
+    names = tuple(HEADS if _head_major(a) else ROWS for a in arrays) + (SMALL,) * len(small)
+    out_names = tuple({"heads": HEADS, "rows": ROWS, "small": SMALL}[kind] for _, kind in out_like)
+    operands = [jnp.swapaxes(a, 1, 2) if _head_major(a) else a.reshape(batch, seq, -1) for a in [*arrays, *small]]
+    results = per_shard(on_shard, names, out_names)(*operands)
+    return tuple(jnp.swapaxes(r, 1, 2) if kind == "heads" else r.reshape(shape)
+                 for r, (shape, kind) in zip(results, out_like, strict=True))
+
+
+def _kind(a: jax.Array) -> str:
+    return "heads" if _head_major(a) else "rows"
 
 
 def gram_sums(outputs: Sequence[jax.Array], available: jax.Array, *, blocks: tuple[int, int] | None = None,
@@ -262,30 +333,30 @@ def gram_sums(outputs: Sequence[jax.Array], available: jax.Array, *, blocks: tup
     ``blocks``: (token tile, column tile) of the flattened positions, default
     :func:`nash_mhc.ops.stream_mix.mix_blocks` of each shard, and the XLA form where none divides; ValueError
     when given tiles do not divide. The same for every function below."""
-    sums = _sharded(_gram_shard, outputs, [available.astype(F32)], COLUMNS, blocks, interpret)
-    return sums.reshape(*outputs[0].shape[:-1], sums.shape[-1])
+    shape = (*available.shape[:-1], stat_columns(len(outputs)))
+    return _sharded(_gram_shard, outputs, [available.astype(F32)], [(shape, "small")], blocks, interpret)[0]
 
 
 def weighted_sum(outputs: Sequence[jax.Array], weights: jax.Array, *, blocks: tuple[int, int] | None = None,
                  interpret: bool = False) -> jax.Array:
     """The combine kernel's sum_l w_l O_l [..., D] in the outputs' dtype, weights [..., L] float32."""
-    out = _sharded(_combine_shard, outputs, [weights.astype(F32)], TOKENS, blocks, interpret)
-    return out.reshape(outputs[0].shape)
+    return _sharded(_combine_shard, outputs, [weights.astype(F32)], [(outputs[0].shape, _kind(outputs[0]))], blocks,
+                    interpret)[0]
 
 
 def output_dots(outputs: Sequence[jax.Array], g: jax.Array, *, blocks: tuple[int, int] | None = None,
                 interpret: bool = False) -> jax.Array:
     """The dots kernel's sum_d O_l g [..., L] float32 of the L outputs O_l [..., D] and g [..., D]."""
-    dots = _sharded(_dots_shard, [*outputs, g], [], COLUMNS, blocks, interpret)
-    return dots.reshape(*outputs[0].shape[:-1], len(outputs))
+    shape = (*outputs[-1].shape[:-1], len(outputs))  # the last output is rows [..., D]
+    return _sharded(_dots_shard, [*outputs, g], [], [(shape, "small")], blocks, interpret)[0]
 
 
 def gram_pullback(outputs: Sequence[jax.Array], g: jax.Array, coefficients: jax.Array, *,
                   blocks: tuple[int, int] | None = None, interpret: bool = False) -> tuple[jax.Array, ...]:
     """The pullback kernel's dO_l [..., D] (module docstring), each in its output's dtype, of the L outputs, g
     [..., D] and the float32 coefficients [..., P] (:func:`pullback_columns`: a, A row-major, w, s, count)."""
-    grads = _sharded(_pullback_shard, [*outputs, g], [coefficients], (TOKENS,) * len(outputs), blocks, interpret)
-    return tuple(d.reshape(x.shape) for d, x in zip(grads, outputs, strict=True))
+    return _sharded(_pullback_shard, [*outputs, g], [coefficients], [(x.shape, _kind(x)) for x in outputs], blocks,
+                    interpret)
 
 
 def pullback_xla(outputs: Sequence[jax.Array], g: jax.Array, coefficients: jax.Array) -> list[jax.Array]:
