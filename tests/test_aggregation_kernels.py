@@ -181,25 +181,27 @@ def test_under_a_mesh_each_shard_runs_the_kernels_on_its_positions():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
 
 
-def heads(x):
-    """A [B, T, D] output as the multi-head [B, T, H, K] one (K = 128)."""
-    return x.reshape(*x.shape[:-1], D // 128, 128)
+def heads(x, head_dim=128):
+    """A [B, T, D] output as the multi-head [B, T, H, K] one."""
+    return x.reshape(*x.shape[:-1], D // head_dim, head_dim)
 
 
-def test_a_head_major_first_output_gives_the_rows_function_and_gradients():
-    """The fine output as [B, T, H, K] (read head-major by the kernels, one head per column tile): value and
-    gradients those of the same output as rows [B, T, H K], with the kernels and in the XLA form (there bit for
-    bit: it reshapes to rows); the combined output and the fine output's gradient come back [B, T, H, K]."""
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_a_head_major_first_output_gives_the_rows_function_and_gradients(head_dim):
+    """The fine output as [B, T, H, K] (read head-major by the kernels, one head per column tile; K = 64 is no whole
+    lane tile, so it goes to rows first): value and gradients those of the same output as rows [B, T, H K], with the
+    kernels and in the XLA form (there bit for bit: it reshapes to rows); the combined output and the fine output's
+    gradient come back [B, T, H, K]. The TPU compile of a small head dim is tests/test_estimate.py's (tiny)."""
     outputs, available, target = problem(seed=6)
     prior, tau = jnp.asarray([0.4, -0.2, 0.1]), jnp.asarray(0.05)
     for kernels in (True, False):
         f = loss(kernels, target)
         want = jax.value_and_grad(f, argnums=(0, 1, 2))(outputs, prior, tau, available)
-        got = jax.value_and_grad(lambda o, *a, f=f: f([heads(o[0]), *o[1:]], *a), argnums=(0, 1, 2))(
+        got = jax.value_and_grad(lambda o, *a, f=f: f([heads(o[0], head_dim), *o[1:]], *a), argnums=(0, 1, 2))(
             outputs, prior, tau, available)
-        combined = nash_aggregate([heads(outputs[0]), *outputs[1:]], available, prior, tau, num_iters=20,
+        combined = nash_aggregate([heads(outputs[0], head_dim), *outputs[1:]], available, prior, tau, num_iters=20,
                                   kernels=kernels, interpret=kernels)[0]
-        assert combined.shape == (2, T, D // 128, 128)
+        assert combined.shape == (2, T, D // head_dim, head_dim)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             if kernels:  # other column tiles: the sums over D add in another order
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,

@@ -51,6 +51,9 @@ TOKENS, COLUMNS = ("tokens", "features"), ("tokens", "scales")  # logical names 
 HEADS, ROWS, SMALL = ("batch", "features", "seq", "head_dim"), ("batch", "seq", "features"), ("batch", "seq", "scales")
 
 
+LANES = 128  # a head-major operand's column tile is one head: a whole number of lane tiles only if K is
+
+
 def _tokens_dim(a: jax.Array) -> tuple[int, int]:
     """(positions, D) of a shard's operand: [T, D] rows or a head-major [B, H, T, K]."""
     if a.ndim == 4:
@@ -210,10 +213,15 @@ def _run(kernel, xla, arrays, small, out, reduce, *, blocks, interpret, cost) ->
     if head_major:  # one head's K columns per column tile, token tiles within a sequence
         _, _, seq, head_dim = head_major[0].shape
         tiles = mix_blocks(seq, head_dim)
-        if tiles is None:  # the XLA form on rows
-            rows = [jnp.swapaxes(a, 1, 2).reshape(-1, a.shape[1] * a.shape[3]) if a.ndim == 4 else a for a in operands]
+        if tiles is None or head_dim % LANES:  # no tile, or a head is no whole lane tile: rows (a copy each way)
+            def rows(a):
+                return jnp.swapaxes(a, 1, 2).reshape(-1, a.shape[1] * a.shape[3]) if len(a.shape) == 4 else a
+            flat = [jax.ShapeDtypeStruct((o.shape[0] * o.shape[2], o.shape[1] * o.shape[3]), o.dtype)
+                    if len(o.shape) == 4 else o for o in out]
+            results = _run(kernel, xla, [rows(a) for a in arrays], small, flat, reduce, blocks=blocks,
+                           interpret=interpret, cost=cost)
             return tuple(jnp.swapaxes(r.reshape(o.shape[0], o.shape[2], o.shape[1], o.shape[3]), 1, 2)
-                         if len(o.shape) == 4 else r for r, o in zip(xla(*rows), out, strict=True))
+                         if len(o.shape) == 4 else r for r, o in zip(results, out, strict=True))
         tm, td, per_seq = tiles[0], head_dim, seq // tiles[0]
     else:
         tiles = _tiles(blocks, tokens, dim)
