@@ -52,8 +52,8 @@ class ScaleAggregation(eqx.Module):
     alone, masked to the available scales (a constant per layer). b starts at :func:`initial_prior` (scale 0
     weighs :data:`SCALE0_PRIOR_WEIGHT`). All rematerialise in the backward pass (only the outputs are kept). The
     outputs come as L separate [..., T, D] arrays, never stacked (:mod:`nash_mhc.ops.aggregation`); the first may
-    be a multi-head output [B, T, H, K], which ``nash`` reads as it is (its TPU kernels, head-major) and the
-    others as rows; ``output`` then has its shape.
+    be a multi-head output [B, T, H, K]: ``nash`` reads it as it is (its TPU kernels, head-major) and returns
+    ``output`` in that shape, ``gate`` and ``convex`` reshape it to rows [B, T, D].
     """
 
     prior: Float[Array, "scales"] = param("coefficient", "scales", group="aggregation_prior")
