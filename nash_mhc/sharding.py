@@ -360,12 +360,16 @@ def constrain_batch(x: jax.Array, dim: int = 0) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
-def per_shard(function: Any, in_axes: Sequence[tuple[str, ...]], out_axes: Any) -> Any:
+def per_shard(function: Any, in_axes: Sequence[tuple[str, ...]], out_axes: Any,
+              sums: Sequence[str | None] = ()) -> Any:
     """``function`` (of arrays whose dimensions have the logical names ``in_axes``, returning one array named
     ``out_axes``, or a tuple of arrays named by the tuple ``out_axes``) run on each device's shard under the
     ambient mesh, in ``jax.shard_map``: each dimension split as :func:`logical_spec` splits it (as far as it
     divides). For an operation the partitioner cannot split itself (a Pallas kernel is one opaque custom call)
-    that needs no communication under this split. Without an ambient mesh, ``function`` itself."""
+    that needs no communication under this split, except that output k of a tuple whose ``sums[k]`` is a
+    logical name is a partial sum over that dimension of the operands (a weight gradient summed over a shard's
+    tokens): it is summed over the mesh axes that split the operands' dimensions of that name (``psum``).
+    Without an ambient mesh, ``function`` itself."""
     def run(*operands: jax.Array) -> Any:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or not all(axis in mesh.axis_names for axis in AXES):
@@ -376,8 +380,25 @@ def per_shard(function: Any, in_axes: Sequence[tuple[str, ...]], out_axes: Any) 
             out_specs = tuple(logical_spec(names, o.shape, mesh)[0] for names, o in zip(out_axes, out, strict=True))
         else:
             out_specs = logical_spec(out_axes, out.shape, mesh)[0]
-        return jax.shard_map(function, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*operands)
+        summed = {k: _split_axes(name, in_axes, specs) for k, name in enumerate(sums) if name is not None}
+
+        def shard(*shards: jax.Array) -> Any:
+            result = function(*shards)
+            if not summed:
+                return result
+            return tuple(jax.lax.psum(o, summed[k]) if summed.get(k) else o for k, o in enumerate(result))
+        return jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*operands)
     return run
+
+
+def _split_axes(name: str, in_axes: Sequence[tuple[str, ...]], specs: Sequence[P]) -> tuple[str, ...]:
+    """The mesh axes that split the operands' dimensions named ``name`` (ValueError when they disagree or none has
+    the name): what :func:`per_shard` sums a partial-sum output over."""
+    found = {_as_tuple(spec[dim] if dim < len(spec) else None)
+             for names, spec in zip(in_axes, specs, strict=True) for dim, n in enumerate(names) if n == name}
+    if len(found) != 1:
+        raise ValueError(f"per_shard: the operands' {name!r} dimensions split over {sorted(found)}, not one way")
+    return found.pop()
 
 
 def per_shard_attention(attention: Any) -> Any:

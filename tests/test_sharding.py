@@ -28,6 +28,7 @@ from nash_mhc.sharding import (
     named_shardings,
     partition_specs,
     path_str,
+    per_shard,
     resolve_mesh_shape,
     shard_batch,
     sharding_fallbacks,
@@ -217,6 +218,25 @@ def test_shard_batch_splits_rows_over_data_and_fsdp():
     for leaf in (batch.tokens, batch.loss_mask):
         assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, batch_spec(2)), 2)
         assert {s.data.shape[0] for s in leaf.addressable_shards} == {2}
+
+
+@pytest.mark.parametrize("tokens", [8, 6])  # 6: split over data only (fsdp's 2 x 2 = 4 does not divide it)
+def test_per_shard_sums_a_partial_sum_output_over_the_axes_that_split_its_dimension(tokens):
+    """A per-shard function returning (a per-token array, a sum over its tokens): the second output is summed
+    over the mesh axes that split the tokens, so both equal the unsharded function's."""
+    needs_8_devices()
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(tokens, 3)), jnp.float32)
+    names = ("tokens", "features")
+
+    def function(a):
+        return 2.0 * a, a.sum(axis=0)
+    sharded = per_shard(function, (names,), (names, ("features",)), sums=(None, "tokens"))
+    with jax.set_mesh(make_mesh(2, 2, 2)):
+        doubled, total = jax.jit(sharded)(x)
+    np.testing.assert_allclose(np.asarray(doubled), 2.0 * np.asarray(x))
+    np.testing.assert_allclose(np.asarray(total), np.asarray(x).sum(axis=0), rtol=1e-6)
+    with jax.set_mesh(make_mesh(2, 2, 2)), pytest.raises(ValueError, match="'seq' dimensions split over"):
+        jax.jit(per_shard(function, (names,), (names, ("features",)), sums=(None, "seq")))(x)
 
 
 # ---------------------------------------------------------------------------------- born sharded

@@ -127,19 +127,22 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
     coeffs = 2 * N + N * N
     costs = kernel_costs(N, tokens, dim, coeffs, x_bytes, blocks)
     stream, slab = N * tm * td * x_bytes, tm * td * x_bytes
-    # stats and dh_pre: grid (token, column); dx: grid (column, token), tokens innermost
+    # stats, u and dh_pre: grid (token, column); dx: grid (column, token), tokens innermost
     assert costs.stats.flops == 2 * N * tokens * dim * (coeffs + 1)
     assert costs.stats.bytes_accessed == moved((tokens // tm, dim // td), [
         (stream, lambda t, d: (t, d)), (N * dim * coeffs * 4, lambda t, d: 0), (tm * coeffs * 4, lambda t, d: t),
         (tm * 4, lambda t, d: t)])
+    assert costs.u.flops == 2 * N * tokens * dim
+    assert costs.u.bytes_accessed == moved((tokens // tm, dim // td), [
+        (stream, lambda t, d: (t, d)), (tm * N * 4, lambda t, d: t), (slab, lambda t, d: (t, d))])
     assert costs.dh_pre.flops == 2 * N * tokens * dim
     assert costs.dh_pre.bytes_accessed == moved((tokens // tm, dim // td), [
         (stream, lambda t, d: (t, d)), (slab, lambda t, d: (t, d)), (tm * N * 4, lambda t, d: t)])
-    assert costs.dx.flops == 2 * N * tokens * dim * (coeffs + 3)
+    assert costs.dx.flops == 2 * N * tokens * dim * (2 * coeffs + 3)  # dX's and dW's products, three more for dX
     assert costs.dx.bytes_accessed == moved((dim // td, tokens // tm), [
         (stream, lambda d, t: (t, d)), (stream, lambda d, t: (t, d)), (slab, lambda d, t: (t, d)),
         (tm * (N + 1) * 4, lambda d, t: t), (tm * coeffs * 4, lambda d, t: t), (N * coeffs * td * 4, lambda d, t: d),
-        (stream, lambda d, t: (t, d))])
+        (stream, lambda d, t: (t, d)), (N * coeffs * td * 4, lambda d, t: d)])
 
     # mhc-lite: no Sinkhorn, whose own kernels would join the list
     hc = jax.eval_shape(lambda: HyperConnection("mhc-lite", N, dim, key=jax.random.key(0)))
@@ -153,5 +156,5 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
     params = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((3,), (N,), (N,), (24,)))
     w = jax.ShapeDtypeStruct((N, dim, *lite), jnp.float32)
     lite_costs = kernel_costs(N, tokens, dim, lite[0], x_bytes, blocks)
-    assert declared(jax.grad(loss, argnums=(0, 1)), x, w, params) == [lite_costs.stats, lite_costs.dh_pre,
-                                                                       lite_costs.dx]
+    assert declared(jax.grad(loss, argnums=(0, 1)), x, w, params) == [lite_costs.stats, lite_costs.u,
+                                                                       lite_costs.dh_pre, lite_costs.dx]

@@ -6,7 +6,7 @@ H_pre, H_post, H_res):
 
     raw = sum_j X_j W_j  [T, C]      ss = sum_j sum_d X_j²  [T]        kernel "stats"  (reads X once)
     (H_pre, H_post, H_res) = coefficients(raw, ss)                                      (XLA, [T, C]-sized)
-    u = sum_j H_pre[:, j] X_j  [T, D]    (rounded once to X's dtype)                    (XLA, one fusion, written)
+    u = sum_j H_pre[:, j] X_j  [T, D]    (rounded once to X's dtype)                    kernel "u"  (reads X once)
 
 :func:`collapse_streams` returns (X, u, H_post, H_res): X passes through unchanged, so that the cotangent of the
 stream update that consumes X afterwards (:mod:`nash_mhc.ops.stream_mix`) arrives here and is added to the
@@ -15,7 +15,7 @@ collapse's own in one write. Backward, from (dX_out, du, dH_post, dH_res):
     dH_pre[:, j] = sum_d du X_j                                       kernel "dh_pre"  (reads X, du)
     (d_raw, d_ss, d_params) = vjp(coefficients)(dH_pre, dH_post, dH_res)            (XLA, [T, C]-sized)
     dX_j = dX_out_j + H_pre[:, j] du + 2 d_ss X_j + d_raw W_jᵀ        kernel "dx"  (reads X, dX_out, du)
-    dW_j = X_jᵀ d_raw                                                 (XLA matmul)
+    dW_j = X_jᵀ d_raw                                                 kernel "dx"  (the same read of X)
 
 In XLA the sum of squares and the projection read X in separate fusions (about 1 ms for one 1b sublayer on v6e
 against 0.33 ms for one read), and XLA's own backward of the slab form spends about 9 ms, writing float32 copies
@@ -44,6 +44,7 @@ from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
 _NN = (((1,), (0,)), ((), ()))  # a @ b
+_TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 STREAMS, TOKENS = ("streams", "tokens", "features"), ("tokens", "features")  # logical names for per_shard
 
 
@@ -52,6 +53,7 @@ class KernelCosts:
     """The declared cost of the forward kernel and the two backward kernels for one call."""
 
     stats: pl.CostEstimate
+    u: pl.CostEstimate
     dh_pre: pl.CostEstimate
     dx: pl.CostEstimate
 
@@ -63,20 +65,24 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
 
     stats: per stream, token and column C multiply-adds of X_j W_j and one of X_j²; reads X and W (whole, once),
     writes raw (float32 [T, C]) and ss (float32 [T, 1]).
+    u: one multiply-add per stream, token and column; reads X and H_pre (float32 [T, n], once per token tile),
+    writes u (X's dtype).
     dh_pre: one multiply-add per stream, token and column; reads X and du, writes dH_pre (float32 [T, n]).
-    dx: per stream, token and column C multiply-adds of d_raw W_jᵀ and three more (H_pre du, 2 d_ss X, dX_out);
-    reads X, dX_out, du, the per-token scalars [T, n + 1] and d_raw [T, C] (float32) once per column tile (the
-    grid walks the tokens innermost), W once; writes dX."""
+    dx: per stream, token and column 2 C multiply-adds (d_raw W_jᵀ, and X_jᵀ d_raw for dW) and three more (H_pre
+    du, 2 d_ss X, dX_out); reads X, dX_out, du, the per-token scalars [T, n + 1] and d_raw [T, C] (float32) once
+    per column tile (the grid walks the tokens innermost), W once; writes dX and dWᵀ (float32 [n, C, D], each
+    column tile's block once, after the tokens' sum)."""
     n, elems = streams, tokens * dim
     column_tiles = dim // blocks[1]
     stream, slab = n * elems * x_bytes, elems * x_bytes
     stats = pl.CostEstimate(flops=2 * (coeffs + 1) * n * elems, transcendentals=0,
                             bytes_accessed=stream + n * dim * coeffs * 4 + tokens * (coeffs + 1) * 4)
+    u = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
     dh_pre = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
     per_token = tokens * (n + 1 + coeffs) * 4
-    dx = pl.CostEstimate(flops=2 * (coeffs + 3) * n * elems, transcendentals=0,
-                         bytes_accessed=3 * stream + slab + column_tiles * per_token + n * coeffs * dim * 4)
-    return KernelCosts(stats, dh_pre, dx)
+    dx = pl.CostEstimate(flops=2 * (2 * coeffs + 3) * n * elems, transcendentals=0,
+                         bytes_accessed=3 * stream + slab + column_tiles * per_token + 2 * n * coeffs * dim * 4)
+    return KernelCosts(stats, u, dh_pre, dx)
 
 
 # -------------------------------------------------------------------------------------------- kernels
@@ -98,6 +104,15 @@ def _stats_kernel(x_ref, w_ref, raw_ref, ss_ref):
     ss_ref[...] += ss
 
 
+def _u_kernel(x_ref, h_ref, u_ref):
+    n = x_ref.shape[0]
+    h = h_ref[...]  # [tm, n]: H_pre
+    acc = h[:, 0:1] * x_ref[0].astype(F32)
+    for j in range(1, n):
+        acc = acc + h[:, j:j + 1] * x_ref[j].astype(F32)
+    u_ref[...] = acc.astype(u_ref.dtype)
+
+
 def _dh_pre_kernel(x_ref, du_ref, out_ref):
     n = x_ref.shape[0]
     du = du_ref[...].astype(F32)
@@ -113,14 +128,21 @@ def _dh_pre_kernel(x_ref, du_ref, out_ref):
     out_ref[...] += partial
 
 
-def _dx_kernel(x_ref, dxo_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref):
+def _dx_kernel(x_ref, dxo_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_ref):
     n = x_ref.shape[0]
     du = du_ref[...].astype(F32)
     scalars, draw = scalars_ref[...], draw_ref[...]  # [tm, n + 1]: H_pre, then 2 d_ss; [tm, C]
+
+    @pl.when(pl.program_id(1) == 0)
+    def _start():
+        dw_ref[...] = jnp.zeros(dw_ref.shape, F32)
+
     for j in range(n):
-        acc = dxo_ref[j].astype(F32) + scalars[:, j:j + 1] * du + scalars[:, n:n + 1] * x_ref[j].astype(F32)
+        xj = x_ref[j].astype(F32)
+        acc = dxo_ref[j].astype(F32) + scalars[:, j:j + 1] * du + scalars[:, n:n + 1] * xj
         acc = acc + lax.dot_general(draw, w_ref[j], _NN, preferred_element_type=F32)
         dx_ref[j] = acc.astype(dx_ref.dtype)
+        dw_ref[j] += lax.dot_general(draw, xj, _TN, preferred_element_type=F32)  # dW_jᵀ [C, td]
 
 
 # ------------------------------------------------------------------------------------------ pallas calls
@@ -162,6 +184,23 @@ def _stats(x, w, *, blocks, interpret, kernels=True):
     return raw, ss[:, 0]
 
 
+def _u(x, h_pre, *, blocks, interpret, kernels=True):
+    """u = sum_j H_pre[:, j] X_j [T, D] in X's dtype (float32 sums); :func:`weighted_sum` in XLA where no tile
+    divides this shard's (T, D). In XLA on TPU the per-token weights, laid out along lanes, were broadcast across
+    the columns at about 1.4 x the fusion's bytes (the compiler's estimate)."""
+    n, tokens, dim = x.shape
+    blocks = _tiles(blocks, tokens, dim, kernels)
+    if blocks is None:
+        return weighted_sum([a.astype(F32) for a in x], h_pre).astype(x.dtype)
+    tm, td = blocks
+    return pl.pallas_call(
+        _u_kernel, grid=(tokens // tm, dim // td),
+        in_specs=[pl.BlockSpec((n, tm, td), lambda t, d: (0, t, d)), pl.BlockSpec((tm, n), lambda t, d: (t, 0))],
+        out_specs=pl.BlockSpec((tm, td), lambda t, d: (t, d)), out_shape=jax.ShapeDtypeStruct((tokens, dim), x.dtype),
+        cost_estimate=kernel_costs(n, tokens, dim, 0, x.dtype.itemsize, blocks).u, interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")))(x, h_pre)
+
+
 def _dh_pre(x, du, *, blocks, interpret, kernels=True):
     """dH_pre [T, n] float32; the slab form in XLA where no tile divides this shard's (T, D)."""
     n, tokens, dim = x.shape
@@ -178,35 +217,40 @@ def _dh_pre(x, du, *, blocks, interpret, kernels=True):
 
 
 def _dx(x, dxo, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
-    """dX [n, T, D] on grid (column tile, token tile): W's column tile stays put while the tokens walk. The slab
-    form in XLA where no tile divides this shard's (T, D)."""
+    """(dX [n, T, D], dW [n, D, C] float32 = X_jᵀ d_raw) on grid (column tile, token tile): W's column tile and
+    dW's stay put while the tokens walk, dW summing over them. The kernel writes dWᵀ [n, C, D] (d_rawᵀ X_j: the
+    transposed operand is the [tm, C] d_raw tile, not X's, and the block is lane-dense). The slab form in XLA
+    where no tile divides this shard's (T, D)."""
     n, tokens, dim = x.shape
     blocks = _tiles(blocks, tokens, dim, kernels)
     coeffs = draw.shape[1]
     if blocks is None:
         du32 = du.astype(F32)
-        return jnp.stack([dxo[j].astype(F32) + scalars[:, j:j + 1] * du32 + scalars[:, n:] * x[j].astype(F32)
-                          + draw @ w_t[j] for j in range(n)]).astype(x.dtype)
+        dx = jnp.stack([dxo[j].astype(F32) + scalars[:, j:j + 1] * du32 + scalars[:, n:] * x[j].astype(F32)
+                        + draw @ w_t[j] for j in range(n)]).astype(x.dtype)
+        return dx, jnp.stack([x[j].astype(F32).T @ draw for j in range(n)])
     tm, td = blocks
     stream = pl.BlockSpec((n, tm, td), lambda d, t: (0, t, d))
-    return pl.pallas_call(
+    dx, dw_t = pl.pallas_call(
         _dx_kernel, grid=(dim // td, tokens // tm),
         in_specs=[stream, stream, pl.BlockSpec((tm, td), lambda d, t: (t, d)),
                   pl.BlockSpec((tm, n + 1), lambda d, t: (t, 0)), pl.BlockSpec((tm, coeffs), lambda d, t: (t, 0)),
                   pl.BlockSpec((n, coeffs, td), lambda d, t: (0, 0, d))],
-        out_specs=stream, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        out_specs=[stream, pl.BlockSpec((n, coeffs, td), lambda d, t: (0, 0, d))],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((n, coeffs, dim), F32)],
         cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, blocks).dx, interpret=interpret,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")))(
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(
             x, dxo, du, scalars, draw, w_t)
+    return dx, jnp.swapaxes(dw_t, 1, 2)
 
 
 # ------------------------------------------------------------------------------------------ the function
 Coefficients = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
-def _on_shards(kernels: bool, function, in_names, out_names):
+def _on_shards(kernels: bool, function, in_names, out_names, sums=()):
     """``function`` on each device's token shard (the kernels' tiles are a shard's), or whole (the XLA forms)."""
-    return per_shard(function, in_names, out_names) if kernels else function
+    return per_shard(function, in_names, out_names, sums) if kernels else function
 
 
 def _forward(coefficients, x, w, params, blocks, interpret, kernels, pullback=False):
@@ -217,9 +261,11 @@ def _forward(coefficients, x, w, params, blocks, interpret, kernels, pullback=Fa
         (h_pre, h_post, h_res), vjp = jax.vjp(coefficients, raw, ss, params)
     else:
         (h_pre, h_post, h_res), vjp = coefficients(raw, ss, params), None
-    u = weighted_sum([a.astype(F32) for a in x], h_pre).astype(x.dtype)
-    if kernels:  # TPU: u written once. Fused into each of its consumers (the norm's statistics, the normalised
-        # input in two layouts under multiscale attention), XLA wrote float32 copies of the streams for them instead
+    u = _on_shards(kernels, functools.partial(_u, blocks=blocks, interpret=interpret, kernels=kernels),
+                   (STREAMS, ("tokens", "streams")), TOKENS)(x, h_pre)
+    if kernels:  # TPU: u written once (the kernel's, or the XLA form's where no tile divides). Fused into each of its
+        # consumers (the norm's statistics, the normalised input in two layouts under multiscale attention), XLA
+        # wrote float32 copies of the streams for them instead
         u = lax.optimization_barrier(u)
     return (x, u, h_post, h_res), (h_pre, vjp)
 
@@ -245,11 +291,10 @@ def _collapse_bwd(coefficients, blocks, interpret, kernels, residuals, cotangent
                         (STREAMS, TOKENS), ("tokens", "streams"))(x, du)
     draw, dss, dparams = pullback((dh_pre, dh_post.astype(F32), dh_res.astype(F32)))
     scalars = jnp.concatenate([h_pre, 2.0 * dss[:, None]], axis=1)
-    dx = _on_shards(kernels, functools.partial(_dx, blocks=blocks, interpret=interpret, kernels=kernels),
-                    (STREAMS, STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "hc_coeffs"),
-                     ("streams", "hc_coeffs", "features")), STREAMS)(
-        x, dxo.astype(x.dtype), du, scalars, draw, jnp.swapaxes(w, 1, 2))
-    dw = jnp.stack([x[j].astype(F32).T @ draw for j in range(x.shape[0])])
+    dx, dw = _on_shards(kernels, functools.partial(_dx, blocks=blocks, interpret=interpret, kernels=kernels),
+                        (STREAMS, STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "hc_coeffs"),
+                         ("streams", "hc_coeffs", "features")), (STREAMS, ("streams", "features", "hc_coeffs")),
+                        sums=(None, "tokens"))(x, dxo.astype(x.dtype), du, scalars, draw, jnp.swapaxes(w, 1, 2))
     return dx, dw, dparams
 
 
