@@ -15,12 +15,18 @@ The times are the runtime's per-thunk events: a ``while`` loop's event covers th
 counted again under their own lines, and the step runs on several threads, so the column adds up to more than the
 step's wall time. Read it as a ranking and as thunk counts (each thunk costs the XLA CPU runtime some microseconds
 whatever its size), not as a partition of the step.
+
+Then how the runtime's threads were occupied (milliseconds per step with two or more thunks running at once, one,
+none, from the union of each thread's events) and the matmuls of the step's module (``dot`` instructions, alone
+or inside a library fusion such as YNNPACK's), largest first, with each one's GFLOP/s over its own events: set
+against the same shapes timed alone, a matmul that runs slower inside the step is sharing the cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import re
 import sys
@@ -64,7 +70,8 @@ def main() -> None:
 
     time_ns: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
-    for plane in ProfileData.from_file(str(max((out / "trace").rglob("*.xplane.pb"), key=os.path.getmtime))).planes:
+    profile = ProfileData.from_file(str(max((out / "trace").rglob("*.xplane.pb"), key=os.path.getmtime)))
+    for plane in profile.planes:
         for line in plane.lines:
             for event in line.events:
                 time_ns[event.name] += event.duration_ns
@@ -94,7 +101,90 @@ def main() -> None:
         print(f"largest instructions of the lines matching {args.match!r}:")
         for ns, name in rows[:args.top]:
             print(f"{ns / steps / 1e6:9.2f} ms x{count[name] / steps:<4.0f} {name}: {instructions[name][:140]}")
+    threads = [[(e.start_ns, e.start_ns + e.duration_ns) for e in line.events if not _bookkeeping(e.name)]
+               for plane in profile.planes for line in plane.lines if line.name.startswith(RUNTIME_THREADS)]
+    both, one, none = occupancy([t for t in threads if t])
+    print(f"runtime threads ({sum(map(bool, threads))}): two or more busy {both / steps / 1e6:.1f} ms per step, "
+          f"one {one / steps / 1e6:.1f} ms, none {none / steps / 1e6:.1f} ms")
+    rates = sorted(((time_ns[name], name, flops) for name, flops in matmul_flops(text).items() if name in time_ns),
+                   reverse=True)
+    total_ns, total_flops = sum(r[0] for r in rates), sum(flops * count[name] for _, name, flops in rates)
+    print(f"matmuls: {len(rates)} instructions, {total_ns / steps / 1e6:.1f} ms of events and "
+          f"{total_flops / steps / 1e9:.2f} GFLOP per step, {total_flops / max(total_ns, 1):.1f} GFLOP/s; "
+          "the largest (ms per step, GFLOP/s over their own events, shape):")
+    for ns, name, flops in rates[:args.top]:
+        print(f"{ns / steps / 1e6:9.2f} ms {flops * count[name] / ns:7.1f} GFLOP/s  {name}: "
+              f"{instructions[name].split(' ')[0]}")
     print(f"trace and HLO in {out}")
+
+
+RUNTIME_THREADS = "tf_XLAEigen"  # the XLA CPU runtime's intra-op pool, which runs the step's thunks
+
+
+def _bookkeeping(name: str) -> bool:
+    """Profiler events that are not a thunk's work: the executor's own span, pool markers, end stamps."""
+    return name.startswith(("ThunkExecutor", "ThreadpoolListener", "SlinkyThreadPool", "end: "))
+
+
+def occupancy(threads: list[list[tuple[int, int]]]) -> tuple[int, int, int]:
+    """(time with two or more threads busy, with exactly one, with none) between the first event's start and the
+    last one's end; each thread's events (start, end) are merged first, so nested events count once."""
+    edges = []
+    for events in threads:
+        for start, end in _merged(events):
+            edges += [(start, 1), (end, -1)]
+    edges.sort()
+    spans = [0, 0, 0]  # none, one, two or more
+    busy, last = 0, edges[0][0] if edges else 0
+    for time, step in edges:
+        spans[min(busy, 2)] += time - last
+        busy, last = busy + step, time
+    return spans[2], spans[1], spans[0]
+
+
+def _merged(events: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for start, end in sorted(events):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def matmul_flops(text: str) -> dict[str, int]:
+    """FLOPs of each top-level instruction of the entry computation that is a ``dot`` or calls a fused computation
+    holding dots (2 x output elements x contracted size, summed over the computation's dots)."""
+    shapes = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+\[[\d,]*\])", text, re.M)}
+
+    def dims(name: str) -> list[int]:
+        found = re.match(r"\w+\[([\d,]*)\]", shapes.get(name, ""))
+        return [int(d) for d in found.group(1).split(",") if d] if found else []
+
+    def dot_flops(line: str) -> int:
+        out = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = \w+\[([\d,]*)\]", line)
+        lhs = re.search(r"dot\(%?([\w.\-]+)", line)
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+        if not (out and lhs and contracting):
+            return 0
+        lhs_dims = dims(lhs.group(1))
+        k = math.prod(lhs_dims[int(d)] for d in contracting.group(1).split(",") if d)
+        return 2 * math.prod(int(d) for d in out.group(1).split(",") if d) * k
+
+    bodies = {m.group(1): m.group(2) for m in re.finditer(r"^%([\w.\-]+) [^\n]*\{\n(.*?)\n\}", text, re.M | re.S)}
+    fused = {name: sum(dot_flops(line) for line in body.splitlines() if " dot(" in line)
+             for name, body in bodies.items()}
+    entry = text[text.index("\nENTRY"):]
+    flops = {}
+    for line in entry.splitlines():
+        named = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+        if not named:
+            continue
+        called = re.search(r"calls=%([\w.\-]+)", line)
+        total = dot_flops(line) if " dot(" in line else fused.get(called.group(1), 0) if called else 0
+        if total:
+            flops[named.group(1)] = total
+    return flops
 
 
 if __name__ == "__main__":
