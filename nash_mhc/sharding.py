@@ -368,9 +368,15 @@ def per_shard(function: Any, in_axes: Sequence[tuple[str, ...]], out_axes: Any,
     divides). For an operation the partitioner cannot split itself (a Pallas kernel is one opaque custom call)
     that needs no communication under this split, except that output k of a tuple whose ``sums[k]`` is a
     logical name is a partial sum over that dimension of the operands (a weight gradient summed over a shard's
-    tokens): it is summed over the mesh axes that split the operands' dimensions of that name (``psum``).
-    Without an ambient mesh, ``function`` itself."""
+    tokens): it is summed over the mesh axes that split the operands' dimensions of that name (``psum``, so the
+    sum is replicated; for a gradient of a few MB per call, where a partitioned output summed by XLA would let it
+    reduce-scatter instead). Without an ambient mesh, ``function`` itself."""
     def run(*operands: jax.Array) -> Any:
+        if sums:
+            out = jax.eval_shape(function, *operands)
+            if not isinstance(out, tuple) or len(sums) != len(out):
+                raise ValueError(f"per_shard: sums= names {len(sums)} outputs; the function returns "
+                                 f"{len(out) if isinstance(out, tuple) else 'one array, not a tuple'}")
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or not all(axis in mesh.axis_names for axis in AXES):
             return function(*operands)

@@ -237,6 +237,8 @@ def test_per_shard_sums_a_partial_sum_output_over_the_axes_that_split_its_dimens
     np.testing.assert_allclose(np.asarray(total), np.asarray(x).sum(axis=0), rtol=1e-6)
     with jax.set_mesh(make_mesh(2, 2, 2)), pytest.raises(ValueError, match="'seq' dimensions split over"):
         jax.jit(per_shard(function, (names,), (names, ("features",)), sums=(None, "seq")))(x)
+    with pytest.raises(ValueError, match="sums= names 1 outputs; the function returns one array, not a tuple"):
+        per_shard(lambda a: a.sum(axis=0), (names,), ("features",), sums=("tokens",))(x)
 
 
 # ---------------------------------------------------------------------------------- born sharded

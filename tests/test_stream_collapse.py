@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,14 +23,14 @@ N, T, D = 4, 32, 256
 BLOCKS = (16, 128)  # 2 token tiles x 2 column tiles
 
 
-def connection(mode: str, seed: int = 0):
+def connection(mode: str, seed: int = 0, tokens: int = T):
     """A hyper-connection with every coefficient parameter moved off its initialisation, streams x [n, T, D], the
     sublayer's gain s [D] (y = u ⊙ s) and the loss weights w [n, T, D]."""
     rng = np.random.default_rng(seed)
     hc = HyperConnection(mode, N, D, key=jax.random.key(seed))
     hc = jax.tree.map(lambda a: a + jnp.asarray(0.3 * rng.normal(size=a.shape), a.dtype), hc)
     hc = eqx.tree_at(lambda h: h.alpha, hc, jnp.asarray([0.7, -0.5, 0.9], jnp.float32))
-    x, w = (jnp.asarray(rng.normal(size=(N, T, D)), jnp.float32) for _ in range(2))
+    x, w = (jnp.asarray(rng.normal(size=(N, tokens, D)), jnp.float32) for _ in range(2))
     return hc, x, jnp.asarray(1 + 0.5 * rng.normal(size=D), jnp.float32), w
 
 
@@ -103,15 +104,39 @@ def test_bfloat16_streams_follow_the_xla_path_within_bfloat16_rounding():
 
 
 def test_under_a_mesh_each_shard_runs_the_kernels_on_its_tokens():
-    """(data 2, fsdp 2, tp 2): the tokens split four ways; gradients equal one device's to float32 rounding
-    (the parameter gradients add up across shards in another order)."""
-    hc, x, s, w = connection("mhc", seed=3)
-    grad = jax.jit(jax.grad(lambda hc, x: kernel_loss(hc, x, s, w, blocks=None), argnums=(0, 1)))
+    """(data 2, fsdp 2, tp 2): 128 tokens split four ways, 2 x 2 tiles of (16, 128) per shard, so every collapse
+    kernel runs on each shard and dW sums over two token tiles there and over the shards after; gradients equal
+    one device's to float32 rounding (the parameter gradients add up across shards in another order)."""
+    hc, x, s, w = connection("mhc", seed=3, tokens=128)
+    grad = jax.jit(jax.grad(lambda hc, x: kernel_loss(hc, x, s, w), argnums=(0, 1)))
     one = grad(hc, x)
     with jax.set_mesh(make_mesh(2, 2, 2)):
         sharded = grad(hc, x)
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(one), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
+
+
+def test_kernels_that_accumulate_along_their_inner_grid_axis_declare_it_arbitrary():
+    """stats and dH_pre sum over column tiles, dx sums dW over token tiles: a "parallel" inner axis would let a
+    megacore chip (v4, v5p) split the sum between its cores, which the interpreter cannot show."""
+    hc, x, _, _ = connection("mhc")
+    semantics = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                semantics.append(eqn.params["compiler_params"].dimension_semantics)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    def loss(x, w):
+        _, u, h_post, h_res = collapse_streams(hc._coefficient_function(), x, w, hc._coefficient_params(),
+                                               blocks=BLOCKS)
+        return u.sum() + h_post.sum() + h_res.sum()
+    walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, hc._weighted_phi()).jaxpr)
+    # stats, u (no sum: both axes parallel), dH_pre, dx
+    assert semantics == [("parallel", "arbitrary"), ("parallel", "parallel"), ("parallel", "arbitrary"),
+                         ("parallel", "arbitrary")]
 
 
 def test_bad_tiles_are_refused_with_one_line():

@@ -190,8 +190,8 @@ class HyperConnection(eqx.Module):
             Float[Array, "n seq dim"], Float[Array, "seq dim"], Float[Array, "seq n"], Float[Array, "seq n n"]]:
         """(X, u = sum_k H_pre[k] X[k], H_post, H_res) of mhc / mhc-lite. Lowered for TPU, the backward pass runs
         the Pallas kernels of :func:`nash_mhc.ops.stream_collapse.collapse_streams` (the raw projection and sum
-        of squares forward, the stream gradients backward); elsewhere (and where no token tile divides T) the same
-        custom backward with the kernels' slab forms in XLA (``kernels=False``)."""
+        of squares, then u, forward; the stream gradients and dW backward); elsewhere (and where no token tile
+        divides T) the same custom backward with the kernels' slab forms in XLA (``kernels=False``)."""
         coefficients = self._coefficient_function()
         operands = (xs, self._weighted_phi(), self._coefficient_params())
         xla = functools.partial(collapse_streams, coefficients, kernels=False)

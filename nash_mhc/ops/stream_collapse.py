@@ -50,7 +50,7 @@ STREAMS, TOKENS = ("streams", "tokens", "features"), ("tokens", "features")  # l
 
 @dataclasses.dataclass(frozen=True)
 class KernelCosts:
-    """The declared cost of the forward kernel and the two backward kernels for one call."""
+    """The declared cost of the two forward kernels (stats, u) and the two backward kernels for one call."""
 
     stats: pl.CostEstimate
     u: pl.CostEstimate
@@ -219,8 +219,9 @@ def _dh_pre(x, du, *, blocks, interpret, kernels=True):
 def _dx(x, dxo, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
     """(dX [n, T, D], dW [n, D, C] float32 = X_jᵀ d_raw) on grid (column tile, token tile): W's column tile and
     dW's stay put while the tokens walk, dW summing over them. The kernel writes dWᵀ [n, C, D] (d_rawᵀ X_j: the
-    transposed operand is the [tm, C] d_raw tile, not X's, and the block is lane-dense). The slab form in XLA
-    where no tile divides this shard's (T, D)."""
+    transposed operand is the [tm, C] d_raw tile, not X's, and the block is lane-dense). The token axis is
+    "arbitrary" (dW's sum runs along it), so a two-core chip (v4, v5p) splits only the column tiles. The slab form
+    in XLA where no tile divides this shard's (T, D)."""
     n, tokens, dim = x.shape
     blocks = _tiles(blocks, tokens, dim, kernels)
     coeffs = draw.shape[1]
