@@ -154,38 +154,29 @@ def _merged(events: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def matmul_flops(text: str) -> dict[str, int]:
     """FLOPs of each top-level instruction of the entry computation that is a ``dot`` or calls a fused computation
-    holding dots (2 x output elements x contracted size, summed over the computation's dots)."""
-    shapes = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+\[[\d,]*\])", text, re.M)}
+    holding dots (2 x output elements x contracted size, summed over the computation's dots), read with the
+    estimate's HLO parser (:func:`nash_mhc.training.estimate.parse_hlo`)."""
+    from nash_mhc.training.estimate import parse_hlo
 
-    def dims(name: str) -> list[int]:
-        found = re.match(r"\w+\[([\d,]*)\]", shapes.get(name, ""))
+    computations, entry = parse_hlo(text)
+    types = {i.name: i.type for instructions in computations.values() for i in instructions}
+
+    def dims(type_text: str) -> list[int]:
+        found = re.match(r"\w+\[([\d,]*)\]", type_text)
         return [int(d) for d in found.group(1).split(",") if d] if found else []
 
-    def dot_flops(line: str) -> int:
-        out = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = \w+\[([\d,]*)\]", line)
-        lhs = re.search(r"dot\(%?([\w.\-]+)", line)
-        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-        if not (out and lhs and contracting):
-            return 0
-        lhs_dims = dims(lhs.group(1))
-        k = math.prod(lhs_dims[int(d)] for d in contracting.group(1).split(",") if d)
-        return 2 * math.prod(int(d) for d in out.group(1).split(",") if d) * k
+    def dot_flops(dot) -> int:
+        lhs = dims(types.get(dot.operands[0], ""))
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.rest).group(1)
+        return 2 * math.prod(dims(dot.type)) * math.prod(lhs[int(d)] for d in contracting.split(",") if d)
 
-    bodies = {m.group(1): m.group(2) for m in re.finditer(r"^%([\w.\-]+) [^\n]*\{\n(.*?)\n\}", text, re.M | re.S)}
-    fused = {name: sum(dot_flops(line) for line in body.splitlines() if " dot(" in line)
-             for name, body in bodies.items()}
-    entry = text[text.index("\nENTRY"):]
-    flops = {}
-    for line in entry.splitlines():
-        named = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
-        if not named:
-            continue
-        called = re.search(r"calls=%([\w.\-]+)", line)
-        total = dot_flops(line) if " dot(" in line else fused.get(called.group(1), 0) if called else 0
-        if total:
-            flops[named.group(1)] = total
-    return flops
+    def flops(instruction) -> int:
+        if instruction.op == "dot":
+            return dot_flops(instruction)
+        called = instruction.attr("calls")
+        return sum(dot_flops(i) for i in computations.get(called, []) if i.op == "dot") if called else 0
 
+    return {i.name: f for i in computations[entry] if (f := flops(i))}
 
 if __name__ == "__main__":
     main()

@@ -372,28 +372,25 @@ def per_shard(function: Any, in_axes: Sequence[tuple[str, ...]], out_axes: Any,
     sum is replicated; for a gradient of a few MB per call, where a partitioned output summed by XLA would let it
     reduce-scatter instead). Without an ambient mesh, ``function`` itself."""
     def run(*operands: jax.Array) -> Any:
-        if sums:
-            out = jax.eval_shape(function, *operands)
-            if not isinstance(out, tuple) or len(sums) != len(out):
-                raise ValueError(f"per_shard: sums= names {len(sums)} outputs; the function returns "
-                                 f"{len(out) if isinstance(out, tuple) else 'one array, not a tuple'}")
         mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or not all(axis in mesh.axis_names for axis in AXES):
+        sharded = not mesh.empty and all(axis in mesh.axis_names for axis in AXES)
+        out = jax.eval_shape(function, *operands) if sharded or sums else None
+        if sums and (not isinstance(out, tuple) or len(sums) != len(out)):
+            raise ValueError(f"per_shard: sums= names {len(sums)} outputs; the function returns "
+                             f"{len(out) if isinstance(out, tuple) else 'one array, not a tuple'}")
+        if not sharded:
             return function(*operands)
         specs = tuple(logical_spec(names, a.shape, mesh)[0] for names, a in zip(in_axes, operands, strict=True))
-        out = jax.eval_shape(function, *operands)
         if isinstance(out, tuple):
             out_specs = tuple(logical_spec(names, o.shape, mesh)[0] for names, o in zip(out_axes, out, strict=True))
         else:
             out_specs = logical_spec(out_axes, out.shape, mesh)[0]
         summed = {k: _split_axes(name, in_axes, specs) for k, name in enumerate(sums) if name is not None}
 
-        def shard(*shards: jax.Array) -> Any:
-            result = function(*shards)
-            if not summed:
-                return result
-            return tuple(jax.lax.psum(o, summed[k]) if summed.get(k) else o for k, o in enumerate(result))
-        return jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*operands)
+        def summing(*shards: jax.Array) -> tuple[jax.Array, ...]:
+            return tuple(jax.lax.psum(o, summed[k]) if summed.get(k) else o for k, o in enumerate(function(*shards)))
+        return jax.shard_map(summing if summed else function, mesh=mesh, in_specs=specs, out_specs=out_specs,
+                             check_vma=False)(*operands)
     return run
 
 

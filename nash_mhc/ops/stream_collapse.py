@@ -77,8 +77,9 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
     stream, slab = n * elems * x_bytes, elems * x_bytes
     stats = pl.CostEstimate(flops=2 * (coeffs + 1) * n * elems, transcendentals=0,
                             bytes_accessed=stream + n * dim * coeffs * 4 + tokens * (coeffs + 1) * 4)
-    u = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
-    dh_pre = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
+    # u and dh_pre move the same: X, one [T, D] slab (u written, du read) and one float32 [T, n] (H_pre read,
+    # dH_pre written)
+    u = dh_pre = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
     per_token = tokens * (n + 1 + coeffs) * 4
     dx = pl.CostEstimate(flops=2 * (2 * coeffs + 3) * n * elems, transcendentals=0,
                          bytes_accessed=3 * stream + slab + column_tiles * per_token + 2 * n * coeffs * dim * 4)
