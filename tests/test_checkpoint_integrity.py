@@ -5,8 +5,11 @@ The subprocess tests share one trained run (``trained``: 4 tiny steps, checkpoin
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import importlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -20,6 +23,8 @@ import numpy as np
 import pytest
 from helpers import ROOT, cpu_env
 from test_train_cli import SCHEDULE, run_main, steps_saved
+
+from nash_mhc.training import checkpoint
 
 BASE = ["--model", "tiny", "--batch-size", "8", "--dataset", "synthetic", "--no-progress", "--log-interval", "1",
         "--checkpoint-interval", "2", *SCHEDULE]  # test_train_cli's schedule: its compiled steps are in cache_dir
@@ -430,3 +435,34 @@ def test_a_binary_txt_file_is_read_with_a_warning_naming_it(tmp_path, capsys):
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1 and "blob.txt is not UTF-8 text" in warnings[0], err  # once, for that file only
+
+
+def test_after_a_failed_restore_only_the_abandoned_reads_asyncio_reports_are_dropped(caplog):
+    """A failed restore leaves Orbax's other reads as failed asyncio tasks that nobody awaits; collected, asyncio
+    logs each with a traceback after the one-line error. Once a restore has failed those reports are dropped, and
+    the asyncio logger's other records are kept."""
+    async def failing_read() -> None:
+        raise ValueError("NOT_FOUND: an abandoned read")
+
+    def abandon_a_failed_task() -> None:
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(failing_read())
+        loop.run_until_complete(asyncio.sleep(0.01))
+        loop.close()
+        del task
+        gc.collect()
+
+    logger = logging.getLogger("asyncio")
+    before = list(logger.filters)
+    try:
+        abandon_a_failed_task()
+        assert "Task exception was never retrieved" in caplog.text  # what the filter is for
+        caplog.clear()
+        checkpoint._quiet_abandoned_tasks()
+        checkpoint._quiet_abandoned_tasks()  # idempotent
+        abandon_a_failed_task()
+        logger.error("another asyncio error")
+        assert "never retrieved" not in caplog.text and "another asyncio error" in caplog.text
+        assert len(logger.filters) == len(before) + 1
+    finally:
+        logger.filters[:] = before

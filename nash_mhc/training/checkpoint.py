@@ -112,6 +112,7 @@ class Checkpointer:
             restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
             meta = dict(restored["meta"])
         except Exception as error:  # noqa: BLE001 - any read failure means an unusable checkpoint
+            _quiet_abandoned_tasks()
             raise CheckpointError(f"cannot read checkpoint metadata at {self.directory}/{step}: "
                                   f"{type(error).__name__}: {str(error).splitlines()[0][:200]}") from error
         check_format(meta, f"{self.directory}/{step}")
@@ -143,6 +144,7 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=args))
         except Exception as error:  # noqa: BLE001
+            _quiet_abandoned_tasks()
             raise CheckpointError(f"cannot restore checkpoint {self.directory}/{step}: "
                                   f"{type(error).__name__}: {str(error).splitlines()[0][:200]}") from error
         arrays = dict(restored["state"])
@@ -172,6 +174,22 @@ def _quiet_abandoned_reads() -> None:
 
     hook.nash_mhc_quiet = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+
+
+class _AbandonedTaskFilter(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" reports (message and traceback)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Task exception was never retrieved")
+
+
+def _quiet_abandoned_tasks() -> None:
+    """Installed when a restore has failed (idempotent): Orbax's other reads of that restore fail too, and when
+    their asyncio tasks are collected unawaited, asyncio logs each with a traceback after the one-line error.
+    Only those reports are dropped, and only once a failed restore has been reported."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedTaskFilter) for f in logger.filters):
+        logger.addFilter(_AbandonedTaskFilter())
 
 
 def find_checkpoint(path: paths.PathLike) -> tuple[paths.Path, int | None]:
