@@ -122,6 +122,12 @@ MUTATIONS = {
                                              "    return _solve_positions(gram, prior, temperature, available,"
                                              " max_iters)")],
                                            ["tests/test_nash.py"]),
+    "Nash kernel counts every scale available": ("nash_mhc/ops/aggregation.py",
+                                                [("[m > 0 for m in mask]", "[m >= 0 for m in mask]")],
+                                                ["tests/test_positions_kernel.py"]),
+    "positions kernel cost counts a loop once": ("nash_mhc/ops/positions_kernel.py",
+                                                 [('body[0] * eqn.params["length"]', "body[0]")],
+                                                 ["tests/test_positions_kernel.py"]),
     "Nash backward drops the sum's gradient": ("nash_mhc/ops/aggregation.py",
                                                [("(d + weights[..., s, None] * d_sum)", "(d + 0.0 * d_sum)")],
                                                [REFERENCE, "tests/test_nash.py"]),

@@ -56,6 +56,7 @@ from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
 from nash_mhc.ops import aggregation_kernels
+from nash_mhc.ops.positions_kernel import position_rows, run_positions
 from nash_mhc.sharding import per_shard
 
 FLOOR = 1.05  # c of tau_t = tau + c lambda_max(C): every log-odds moves by < 2 / c = 1.90 nats from the prior
@@ -204,11 +205,16 @@ def _solve_entries(rows: list[Entries], right: Entries) -> Entries:
     return solution
 
 
+def _finite(x: jax.Array) -> jax.Array:
+    """``jnp.isfinite`` as |x| < inf (False for ±inf and NaN), which the TPU kernel compiler lowers."""
+    return jnp.abs(x) < jnp.inf
+
+
 def _softmax_entries(logits: Entries, available: Entries) -> Entries:
     """:func:`masked_softmax` on entries: shifted by the largest available logit (0 where none is finite)."""
     logits = [jnp.where(a, x, -jnp.inf) for x, a in zip(logits, available, strict=True)]
     peak = _largest(logits)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    peak = jnp.where(_finite(peak), peak, 0.0)
     unnorm = [jnp.where(a, jnp.exp(x - peak), 0.0) for x, a in zip(logits, available, strict=True)]
     total = sum(unnorm)
     return [u / jnp.where(total > 0, total, 1.0) for u in unnorm]
@@ -288,49 +294,97 @@ def solve_equilibrium(gram: jax.Array, prior: jax.Array, temperature: jax.Array,
 
 def _solve_positions(gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array,
                      max_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`solve_equilibrium` on one device's positions: safeguarded Newton steps; a position takes one more
-    step from its first iterate with max_l |w - BR(w)| <= the tolerance (or not finite), then its logits are
-    frozen. The extra step (quadratic near the solution) brings the log-odds to float32 precision: the tolerance
-    bounds |w - BR(w)|, not log(w_l / w_m), and a small weight's log-odds can still be 4e-4 off at it. The loop
-    runs on entries (one array per scale)."""
+    """:func:`solve_equilibrium` on one device's positions: :func:`_equilibrium_entries` in XLA, or lowered for TPU
+    (float32, positions in multiples of 1,024) as one Pallas kernel (:func:`_equilibrium_kernel`)."""
+    xla = functools.partial(_equilibrium_xla, max_iters=max_iters)
+    if gram.dtype != jnp.float32 or position_rows(temperature.size) is None:
+        return xla(gram, prior, temperature, available)
+    kernel = functools.partial(_equilibrium_kernel, max_iters=max_iters, interpret=False)
+    return jax.lax.platform_dependent(gram, prior, temperature, available, tpu=kernel, default=xla)
+
+
+def _equilibrium_xla(gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array,
+                     max_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(w, residual, z) by :func:`_equilibrium_entries` on XLA arrays, the loop stopping once every position is
+    done."""
     tol = TOLERANCE.get(jnp.dtype(gram.dtype), 1e-6)
-    game, base, mask = _matrix_entries(gram), _entries(prior), _entries(available)
+    w, distance, z = _equilibrium_entries(_matrix_entries(gram), _entries(prior), temperature, _entries(available),
+                                          tol, max_iters, fixed=False)
+    return jnp.stack(w, axis=-1), distance, jnp.stack(z, axis=-1)
+
+
+def _equilibrium_kernel(gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array,
+                        max_iters: int, interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(w, residual, z) by :func:`_equilibrium_entries` in one Pallas kernel over the positions
+    (:func:`nash_mhc.ops.positions_kernel.run_positions`), every iteration on chip; the loop runs ``max_iters``
+    steps, a done position frozen (the same values as the XLA loop's early stop). Float32 positions, in
+    multiples of 1,024."""
+    size = prior.shape[-1]
+    shape = temperature.shape
+    tol = TOLERANCE[jnp.dtype(jnp.float32)]
+
+    def rows(a: jax.Array, k: int) -> jax.Array:  # [..., k] -> [k, P]: the positions minor, in the lanes
+        return jnp.moveaxis(a.reshape(-1, k), 0, 1)
+
+    def solve(game: Entries, base: Entries, temp: Entries, mask: Entries) -> list[Entries]:
+        matrix = [game[i * size:(i + 1) * size] for i in range(size)]
+        w, distance, z = _equilibrium_entries(matrix, base, temp[0], [m > 0 for m in mask], tol, max_iters,
+                                              fixed=True)
+        return [w, [distance], z]
+
+    w, distance, z = run_positions(solve, [rows(gram, size * size), rows(prior, size), temperature.reshape(1, -1),
+                                           rows(available.astype(jnp.float32), size)], [size, 1, size],
+                                   interpret=interpret)
+    return w.T.reshape(*shape, size), distance.reshape(shape), z.T.reshape(*shape, size)
+
+
+def _equilibrium_entries(game: list[Entries], base: Entries, temperature: jax.Array, mask: Entries, tol: float,
+                         max_iters: int, fixed: bool) -> tuple[Entries, jax.Array, Entries]:
+    """(w, max_l |w - BR(w)|, z) per position: safeguarded Newton steps; a position takes one more step from its
+    first iterate with max_l |w - BR(w)| <= the tolerance (or not finite), then its logits are frozen. The extra
+    step (quadratic near the solution) brings the log-odds to float32 precision: the tolerance bounds
+    |w - BR(w)|, not log(w_l / w_m), and a small weight's log-odds can still be 4e-4 off at it. On entries (one
+    array per scale; the loop's flags are 1.0 / 0.0, not booleans, which a TPU kernel cannot carry through a loop).
+    ``fixed``: run all ``max_iters`` steps (a fori loop, as in a kernel); else stop once every position is done
+    (the same values)."""
 
     def residual_of(z: Entries) -> tuple[Entries, jax.Array]:
         """(z - T(z) on the available scales (z elsewhere), whether w = softmax(z) is within the tolerance:
-        max_l |w - BR(w)| <= tol; NaN counts as within, more steps cannot mend it)."""
+        max_l |w - BR(w)| <= tol, 1.0 or 0.0; NaN counts as within, more steps cannot mend it)."""
         logits, w = _best_response(z, game, base, temperature, mask)
-        within = ~(_distance(logits, w, mask) > tol)
+        within = jnp.where(_distance(logits, w, mask) > tol, 0.0, 1.0)
         return [jnp.where(a, x - t, x) for x, t, a in zip(z, logits, mask, strict=True)], within
 
-    Carry = tuple[Entries, Entries, jax.Array, jax.Array, jax.Array]
+    Carry = tuple[Entries, Entries, jax.Array, jax.Array]
 
     def step(carry: Carry) -> Carry:
-        z, r, within, done, i = carry
+        z, r, within, done = carry
         w = _softmax_entries(z, mask)
         newton = [a - b for a, b in zip(z, _solve_entries(_newton_entries(w, game, temperature, mask), r),
                                          strict=True)]
         plain = [a - b for a, b in zip(z, r, strict=True)]
         (r_newton, within_newton), (r_plain, within_plain) = residual_of(newton), residual_of(plain)
         better = _largest([jnp.abs(x) for x in r_newton]) <= _largest([jnp.abs(x) for x in r_plain])
-        better &= functools.reduce(jnp.logical_and, [jnp.isfinite(x) for x in newton])
+        better &= functools.reduce(jnp.logical_and, [_finite(x) for x in newton])
 
         def pick(old: Entries, new: Entries, other: Entries) -> Entries:
             # a done position keeps its z; its next ``within`` is never read (done stays done)
-            return [jnp.where(done, a, jnp.where(better, b, c)) for a, b, c in zip(old, new, other, strict=True)]
+            return [jnp.where(done > 0, a, jnp.where(better, b, c)) for a, b, c in zip(old, new, other, strict=True)]
 
         within_next = jnp.where(better, within_newton, within_plain)
-        return pick(z, newton, plain), pick(r, r_newton, r_plain), within_next, done | within, i + 1
-
-    def unconverged(carry: Carry) -> jax.Array:
-        _, _, _, done, i = carry
-        return (i < max_iters) & ~jnp.all(done)
+        return pick(z, newton, plain), pick(r, r_newton, r_plain), within_next, jnp.maximum(done, within)
 
     z0 = [jnp.where(a, p, 0.0) for p, a in zip(base, mask, strict=True)]
-    start = (z0, *residual_of(z0), jnp.zeros(temperature.shape, bool), jnp.asarray(0))
-    z, _, _, _, _ = jax.lax.while_loop(unconverged, step, start)
+    start = (z0, *residual_of(z0), jnp.zeros_like(temperature))
+    if fixed:
+        z = jax.lax.fori_loop(0, max_iters, lambda _, carry: step(carry), start)[0]
+    else:
+        def unconverged(carry: tuple[Carry, jax.Array]) -> jax.Array:
+            return (carry[1] < max_iters) & ~jnp.all(carry[0][3] > 0)
+
+        z = jax.lax.while_loop(unconverged, lambda carry: (step(carry[0]), carry[1] + 1), (start, 0))[0][0]
     logits, w = _best_response(z, game, base, temperature, mask)
-    return jnp.stack(w, axis=-1), _distance(logits, w, mask), jnp.stack(z, axis=-1)
+    return w, _distance(logits, w, mask), z
 
 
 @solve_equilibrium.defjvp
