@@ -174,8 +174,9 @@ def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, mach
             "not a measurement). Each row is one `--compile-only` of the preset with the variant's `--residual` / "
             "`--attention` flags and `" + " ".join(memory_flags(remat_group)) + "`, fsdp over every chip, at the fit "
             "table's batch; the results file holds the exact flags, cycles and commit of each. \"Pallas kernels\": the "
-            "share of the estimate that is Pallas kernels (flash attention; mHC's stream update, collapse gradient "
-            "and Sinkhorn; the Nash aggregation's passes over the scale outputs; multiscale down- and upsampling) "
+            "share of the estimate that is Pallas kernels (flash attention; RoPE; mHC's stream update, collapse and "
+            "Sinkhorn; the Nash aggregation's passes over the scale outputs and its game's Newton loop; multiscale "
+            "down- and upsampling) "
             "costed at their declared roofline, a lower bound on their time (docs/tpu.md, How it is computed).", "",
             *(rows + [""] if len(rows) > 2 else [])]
     if missing:
