@@ -34,14 +34,15 @@ The effective temperature is tau_t = tau + c lambda_max(C) with c = :data:`FLOOR
 The game is a conformity game: a scale far from the consensus loses weight, so an outlier scale is discounted and
 the scales that agree gain; where every scale agrees (C = 0) the weights are softmax(b).
 
-Solver: safeguarded Newton in logit space (each step takes whichever of the Newton step and the plain
-best-response step leaves the smaller residual; L <= a few, so the L x L solves are cheap), from z = b; each
-position stops one step after its first iterate with max_l |w - BR(w)| <= the dtype's tolerance (at most
-``max_iters`` steps). Differentiated implicitly (a custom JVP: dz* = (I - J)^-1 dT, so reverse mode transposes one
-linear solve), never through the iterations. lambda_max comes from :func:`largest_eigenvalue` (closed form for L
-<= 3): finite (sub)gradients everywhere, including C = 0. Both the solves and lambda_max are elementwise over
-positions (see :func:`solve_small`). Computed in float32 (float64 for float64 inputs), per position: weights are
-never pooled over the sequence, which would leak the future.
+Solver: safeguarded Newton in logit space (each step takes whichever of the Newton step and the plain best-response
+step leaves the smaller residual; L <= a few, so the L x L solves are cheap), from z = b; each position stops one
+step after its first iterate with max_l |w - BR(w)| <= the dtype's tolerance (at most ``max_iters`` steps; on TPU
+the whole loop is one Pallas kernel, :mod:`nash_mhc.ops.positions_kernel`, which runs all ``max_iters`` steps with
+done positions frozen). Differentiated implicitly (a custom JVP: dz* = (I - J)^-1 dT, so reverse mode transposes one
+linear solve), never through the iterations. lambda_max comes from :func:`largest_eigenvalue` (closed form for L <=
+3): finite (sub)gradients everywhere, including C = 0. Both the solves and lambda_max are elementwise over positions
+(see :func:`solve_small`). Computed in float32 (float64 for float64 inputs), per position: weights are never pooled
+over the sequence, which would leak the future.
 """
 
 from __future__ import annotations
@@ -278,7 +279,7 @@ def solve_equilibrium(gram: jax.Array, prior: jax.Array, temperature: jax.Array,
     [..., L], effective temperature ``temperature`` [...] (> lambda_max(gram)): the equilibrium weights, their
     residual and logits (w = softmax(z) over ``available``); see the module docstring.
 
-    Each position stops one step after its first iterate within the tolerance (:func:`_solve_positions`), so its
+    Each position stops one step after its first iterate within the tolerance (:func:`_equilibrium_entries`), so its
     iterates never depend on the other positions (in any batch, on one device or split over many; XLA may still
     round the same arithmetic differently for another shape), and the iterations run on each device's own
     positions (:func:`nash_mhc.sharding.per_shard`, batch over the batch axes): the loop's stopping test needs no
