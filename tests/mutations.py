@@ -126,7 +126,7 @@ MUTATIONS = {
                                                 [("[m > 0 for m in mask]", "[m >= 0 for m in mask]")],
                                                 ["tests/test_positions_kernel.py"]),
     "positions kernel cost counts a loop once": ("nash_mhc/ops/positions_kernel.py",
-                                                 [('body[0] * eqn.params["length"]', "body[0]")],
+                                                 [('.jaxpr), eqn.params["length"]', ".jaxpr), 1")],
                                                  ["tests/test_positions_kernel.py"]),
     "Nash backward drops the sum's gradient": ("nash_mhc/ops/aggregation.py",
                                                [("(d + weights[..., s, None] * d_sum)", "(d + 0.0 * d_sum)")],

@@ -30,8 +30,7 @@ SUBLANES = 8
 MAX_ROWS = 64  # rows of 128 positions per tile: 8,192 positions, a few dozen [rows, 128] float32 values in VMEM
 TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "logistic", "pow",
                             "sin", "cos", "erf"})
-FREE = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy",
-                  "copy_p"})
+FREE = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy"})
 
 Entries = list[jax.Array]
 
@@ -57,24 +56,25 @@ def elementwise_cost(fn: Callable, in_entries: Sequence[int], out_entries: Seque
 
 
 def _count(jaxpr) -> tuple[int, int]:
+    """(FLOPs, transcendentals) of one position's pass through ``jaxpr``."""
     flops = transcendentals = 0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "scan":
-            body = _count(eqn.params["jaxpr"].jaxpr)
-            flops, transcendentals = flops + body[0] * eqn.params["length"], transcendentals + body[1] * eqn.params[
-                "length"]
+            (f, t), times = _count(eqn.params["jaxpr"].jaxpr), eqn.params["length"]
         elif name in ("pjit", "closed_call", "jit"):
-            inner = _count(eqn.params["jaxpr"].jaxpr)
-            flops, transcendentals = flops + inner[0], transcendentals + inner[1]
+            (f, t), times = _count(eqn.params["jaxpr"].jaxpr), 1
         elif name == "while":
             raise ValueError("elementwise_cost: a while loop has no trip count; use a fori_loop of fixed length")
         elif name in TRANSCENDENTAL:
-            transcendentals += 1
-        elif name not in FREE and not all(jnp.issubdtype(v.aval.dtype, jnp.integer) for v in eqn.outvars):
-            if any(getattr(v.aval, "shape", ()) != () for v in eqn.outvars):
-                raise ValueError(f"elementwise_cost: {name} is not elementwise over the positions")
-            flops += 1
+            (f, t), times = (0, 1), 1
+        elif name in FREE or all(jnp.issubdtype(v.aval.dtype, jnp.integer) for v in eqn.outvars):
+            continue  # layout, or a loop counter
+        elif any(getattr(v.aval, "shape", ()) != () for v in eqn.outvars):
+            raise ValueError(f"elementwise_cost: {name} is not elementwise over the positions")
+        else:
+            (f, t), times = (1, 0), 1
+        flops, transcendentals = flops + f * times, transcendentals + t * times
     return flops, transcendentals
 
 
@@ -87,19 +87,18 @@ def run_positions(fn: Callable, arrays: Sequence[jax.Array], out_entries: Sequen
     if rows is None:
         raise ValueError(f"run_positions needs positions in multiples of {SUBLANES * LANES}, got {positions}")
     in_entries = [a.shape[0] for a in arrays]
-    tiled = [a.astype(jnp.float32).reshape(k, positions // LANES, LANES) for a, k in zip(arrays, in_entries,
-                                                                                           strict=True)]
+    lines = positions // LANES  # the positions as [lines, 128]
+
     def spec(k: int) -> pl.BlockSpec:
         return pl.BlockSpec((k, rows, LANES), lambda i: (0, i, 0))
 
     out = pl.pallas_call(
         functools.partial(_kernel, fn=fn, in_entries=tuple(in_entries), out_entries=tuple(out_entries)),
-        grid=(positions // LANES // rows,), in_specs=[spec(k) for k in in_entries],
-        out_specs=[spec(k) for k in out_entries],
-        out_shape=[jax.ShapeDtypeStruct((k, positions // LANES, LANES), jnp.float32) for k in out_entries],
+        grid=(lines // rows,), in_specs=[spec(k) for k in in_entries], out_specs=[spec(k) for k in out_entries],
+        out_shape=[jax.ShapeDtypeStruct((k, lines, LANES), jnp.float32) for k in out_entries],
         cost_estimate=elementwise_cost(fn, in_entries, out_entries, positions), interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-    )(*tiled)
+    )(*[a.astype(jnp.float32).reshape(k, lines, LANES) for a, k in zip(arrays, in_entries, strict=True)])
     return [o.reshape(k, positions) for o, k in zip(out, out_entries, strict=True)]
 
 
