@@ -112,9 +112,7 @@ class Checkpointer:
             restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
             meta = dict(restored["meta"])
         except Exception as error:  # noqa: BLE001 - any read failure means an unusable checkpoint
-            _quiet_abandoned_tasks()
-            raise CheckpointError(f"cannot read checkpoint metadata at {self.directory}/{step}: "
-                                  f"{type(error).__name__}: {str(error).splitlines()[0][:200]}") from error
+            raise _read_failure(f"cannot read checkpoint metadata at {self.directory}/{step}", error) from error
         check_format(meta, f"{self.directory}/{step}")
         return meta
 
@@ -144,9 +142,7 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=args))
         except Exception as error:  # noqa: BLE001
-            _quiet_abandoned_tasks()
-            raise CheckpointError(f"cannot restore checkpoint {self.directory}/{step}: "
-                                  f"{type(error).__name__}: {str(error).splitlines()[0][:200]}") from error
+            raise _read_failure(f"cannot restore checkpoint {self.directory}/{step}", error) from error
         arrays = dict(restored["state"])
         for key, spec in target.items():
             if key in arrays and tuple(arrays[key].shape) != tuple(spec.shape):
@@ -156,6 +152,13 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _read_failure(what: str, error: Exception) -> CheckpointError:
+    """The one-line error of a failed checkpoint read (``what``: the error's name and first line); from here on
+    asyncio's reports of that read's abandoned tasks are dropped (:func:`_quiet_abandoned_tasks`)."""
+    _quiet_abandoned_tasks()
+    return CheckpointError(f"{what}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
 
 def _quiet_abandoned_reads() -> None:
