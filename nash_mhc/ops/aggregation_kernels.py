@@ -43,13 +43,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nash_mhc.ops.stream_mix import mix_blocks
+from nash_mhc.ops.tpu_tiles import LANES
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
 TOKENS, COLUMNS = ("tokens", "features"), ("tokens", "scales")  # logical names for per_shard
 # With a head-major operand every operand keeps its batch axis, so each splits over the batch axes alike
 HEADS, ROWS, SMALL = ("batch", "features", "seq", "head_dim"), ("batch", "seq", "features"), ("batch", "seq", "scales")
-LANES = 128  # a head-major operand's column tile is one head: a whole number of lane tiles only if K is
 
 
 def _tokens_dim(a: jax.Array) -> tuple[int, int]:

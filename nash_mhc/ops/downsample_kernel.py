@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.tpu_tiles import LANES
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
-LANES = 128  # columns per tile: Mosaic's strided loads need a 128-wide last dimension
 ROW_TILES = (2048, 1024, 512, 256)  # positions per tile, largest first
 TILE_ROWS = 16  # rows of a bfloat16 (16, 128) tile: a tile's coarse rows come in multiples of it
 SEQUENCES, WEIGHTS = ("batch", "heads", "seq", "head_dim"), ("heads", "block", "head_dim")  # for per_shard

@@ -37,8 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.tpu_tiles import LANES
+
 F32 = jnp.float32
-LANES = 128                      # the TPU vector register's lane count: m and l are kept lane-broadcast
 BLOCK_SIZES = (512, 256, 128)    # tried in this order; a block must be a multiple of the 128 lanes
 _NT = (((1,), (1,)), ((), ()))   # a @ bᵀ
 _NN = (((1,), (0,)), ((), ()))   # a @ b

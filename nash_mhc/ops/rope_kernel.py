@@ -29,10 +29,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.tpu_tiles import LANES, SUBLANES
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
-LANES = 128                                  # the head dim must be whole lane tiles for the roll
 ROW_TILES = (512, 256, 128, 64, 32, 16)      # positions per tile, largest first (16: one bfloat16 (16, 128) tile)
 NAMES, TABLE = ("batch", "seq", "heads", "head_dim"), ("seq", "head_dim")  # for per_shard
 
@@ -102,8 +102,9 @@ def rotate_kernel(x: jax.Array, cos: jax.Array, sin: jax.Array, *, rows: int | N
     ValueError where no tile fits (the caller's XLA form applies there)."""
     seq, _, head_dim = x.shape[-3:]
     rows = row_tile(seq, head_dim) if rows is None else rows
-    if x.ndim != 4 or rows is None or seq % rows or rows % 8 or head_dim % LANES \
+    if x.ndim != 4 or rows is None or seq % rows or rows % SUBLANES or head_dim % LANES \
             or cos.shape != (seq, head_dim) or sin.shape != (seq, head_dim):
-        raise ValueError(f"rope kernel needs x [B, T, H, K] with K a multiple of {LANES}, a row tile dividing "
-                         f"T and tables [T, K]; got x {x.shape}, rows {rows}, tables {cos.shape} {sin.shape}")
+        raise ValueError(f"rope kernel needs x [B, T, H, K] with K a multiple of {LANES}, a row tile dividing T "
+                         f"(a multiple of {SUBLANES}) and tables [T, K]; got x {x.shape}, rows {rows}, "
+                         f"tables {cos.shape} {sin.shape}")
     return _rotate(x, cos.astype(F32), sin.astype(F32), rows, interpret)
