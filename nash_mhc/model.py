@@ -23,6 +23,7 @@ from nash_mhc.layers.init import EMBED_STD, normal
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.matmul import f32_einsum
 from nash_mhc.ops.multiscale import choice_mask
+from nash_mhc.ops.stream_copies import slab_sum, stream_copies, stream_sum
 from nash_mhc.params import ROLES, declared_parameters, map_declared, param, stacked
 from nash_mhc.sharding import constrain_batch, gather_fsdp
 
@@ -234,9 +235,12 @@ class LanguageModel(eqx.Module):
         stream mixing ``H_res X + H_post y`` are computed in float32 and rounded once on the way out
         (:class:`~nash_mhc.layers.hyperconnection.HyperConnection`). Under float32 this is the identity.
         """
-        c = self.config
-        h = self.embedding[tokens].astype(c.dtype)
-        return jnp.broadcast_to(h[..., None, :], (*tokens.shape, c.num_streams, c.d_model))
+        h = self.embed_tokens(tokens)
+        return jnp.broadcast_to(h[..., None, :], (*tokens.shape, self.config.num_streams, self.config.d_model))
+
+    def embed_tokens(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq dim"]:
+        """The tokens' embedding rows [..., T, D] in the compute dtype (one stream's worth of :meth:`embed`)."""
+        return self.embedding[tokens].astype(self.config.dtype)
 
     def unembed(self, x: Float[Array, "*batch seq n dim"]) -> Float[Array, "*batch seq vocab"]:
         """Collapse the streams (sum), final norm and LM head: logits [..., T, V], padded columns -1e30."""
@@ -246,7 +250,9 @@ class LanguageModel(eqx.Module):
         """The streams' sum (in float32) under the final norm: what the LM head reads, [..., T, D] float32.
         ``x`` is token-major [..., T, n, D] (``streams_axis`` -2) or the layer scan's streams-major [n, B, T, D]
         (``streams_axis`` 0: a sum of whole slabs)."""
-        return self.final_norm(jnp.sum(x.astype(jnp.float32), axis=streams_axis))
+        if streams_axis == 0:  # the training step's layout: the sum and its backward as stream_sum's slabs
+            return self.final_norm(stream_sum(x))
+        return self.final_norm(slab_sum(jnp.moveaxis(x, streams_axis, 0)))  # the same additions, in the same order
 
     def head_logits(self, h: Float[Array, "*batch seq dim"]) -> Float[Array, "*batch seq vocab"]:
         """LM head on collapsed states ``h`` [..., T, D]: logits [..., T, V] float32, padded columns -1e30.
@@ -284,7 +290,7 @@ class LanguageModel(eqx.Module):
             raise ValueError(f"tokens must be [seq] or [batch, seq], got shape {tokens.shape}")
         c = self.config
         batch, seq = tokens.shape
-        x = rearrange(self.embed(tokens), "b t n d -> n b t d")  # the layer scan carries X streams-major
+        x = stream_copies(self.embed_tokens(tokens), c.num_streams)  # the layer scan carries X streams-major
         params, static = eqx.partition(self.blocks, eqx.is_array)
         params = matmul_weights_in_compute_dtype(params, c.dtype)
 

@@ -1,0 +1,184 @@
+"""The residual streams at the two ends of the layer stack: X = n copies of the embedding h [B, T, D] and the
+final h = sum_i X_i in float32, each the other's backward pass.
+
+    copies:  X_i = h (in the streams' dtype)          its backward: dh = sum_i dX_i (float32, rounded once)
+    sum:     h = X_0 + X_1 + ... + X_{n-1} (float32)  its backward: dX_i = dh (rounded to X's dtype)
+
+Both sums are n - 1 slab additions in this order, in float32. The TPU compiler's cost model charges a reduce over
+the streams axis of a bfloat16 [n, B, T, D] about 7 x the time of an addition of the same slabs, and a broadcast
+into n slabs about 8 x the HBM time of its bytes (`1b`, v6e: 2.1e6 and 1.5e6 cycles against 2.9e5 and 1.8e5;
+docs/tpu.md). So on TPU the copies are one Pallas kernel per call, each token tile of h read once and written n
+times (declared cost: those bytes, no FLOPs), and the copies' gradient is another, each token tile of the n slabs
+read once and their float32 sum written once in h's dtype (declared: those bytes, n - 1 additions per element),
+which also keeps the sum in row-major tiles (summed by XLA, it was fused after a transposing copy of all n slabs
+that the embedding's scatter-add asked for); elsewhere, and where no tile divides a shard, the broadcast and
+:func:`slab_sum`. ``interpret=True`` runs the kernels in Pallas' interpreter (CPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from nash_mhc.ops.stream_mix import mix_blocks
+from nash_mhc.sharding import per_shard
+
+F32 = jnp.float32
+NAMES = ("batch", "seq", "features")  # h's logical names for per_shard; X adds "streams" in front
+
+
+def slab_sum(x: jax.Array) -> jax.Array:
+    """x [n, ...] → sum_i x[i] in float32, added in order i = 0, 1, ..., n - 1."""
+    return functools.reduce(jnp.add, (x[i].astype(F32) for i in range(1, x.shape[0])), x[0].astype(F32))
+
+
+def copies_cost(tokens: int, dim: int, n: int, in_bytes: int, out_bytes: int) -> pl.CostEstimate:
+    """The copy kernel's cost for h [tokens, dim] of itemsize ``in_bytes`` → X [n, tokens, dim] of ``out_bytes``:
+    h read once and X written once, no arithmetic (a cast at most)."""
+    return pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=tokens * dim * (in_bytes + n * out_bytes))
+
+
+def sum_cost(tokens: int, dim: int, n: int, in_bytes: int, out_bytes: int) -> pl.CostEstimate:
+    """The sum kernel's cost for X [n, tokens, dim] of itemsize ``in_bytes`` → [tokens, dim] of ``out_bytes``: X
+    read once, the sum written once, n - 1 additions per element."""
+    return pl.CostEstimate(flops=(n - 1) * tokens * dim, transcendentals=0,
+                           bytes_accessed=tokens * dim * (n * in_bytes + out_bytes))
+
+
+def _copies_kernel(h_ref, x_ref):
+    tile = h_ref[...].astype(x_ref.dtype)
+    for i in range(x_ref.shape[0]):
+        x_ref[i] = tile
+
+
+def _sum_kernel(x_ref, h_ref):
+    h_ref[...] = slab_sum(x_ref[...]).astype(h_ref.dtype)
+
+
+def _tiles(tokens: int, dim: int, blocks: tuple[int, int] | None, what: str) -> tuple[int, int]:
+    blocks = mix_blocks(tokens, dim) if blocks is None else blocks
+    if blocks is None or tokens % blocks[0] or blocks[0] % 8 or dim % blocks[1]:
+        raise ValueError(f"{what} needs tiles that divide (tokens, dim) = ({tokens}, {dim}) with a token tile "
+                         f"that is a multiple of 8, got {blocks}")
+    return blocks
+
+
+def _call(kernel, a: jax.Array, out_shape: jax.ShapeDtypeStruct, n: int, blocks: tuple[int, int],
+          cost: pl.CostEstimate, interpret: bool) -> jax.Array:
+    """One ``pallas_call`` over (token tiles, column tiles) of [tokens, D]; the [n, tokens, D] side (operand or
+    result) keeps its n streams in one block."""
+    tm, td = blocks
+
+    def spec(ndim: int) -> pl.BlockSpec:
+        return (pl.BlockSpec((tm, td), lambda t, c: (t, c)) if ndim == 2
+                else pl.BlockSpec((n, tm, td), lambda t, c: (0, t, c)))
+    return pl.pallas_call(
+        kernel, grid=(a.shape[-2] // tm, a.shape[-1] // td), in_specs=[spec(a.ndim)],
+        out_specs=spec(len(out_shape.shape)), out_shape=out_shape, cost_estimate=cost, interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")))(a)
+
+
+def copies_kernel(h: jax.Array, n: int, dtype, *, blocks: tuple[int, int] | None = None,
+                  interpret: bool = False) -> jax.Array:
+    """h [tokens, D] → X [n, tokens, D] in ``dtype``, X_i = h, by one ``pallas_call``. ``blocks``: (token tile,
+    column tile), default :func:`nash_mhc.ops.stream_mix.mix_blocks`; ValueError where they do not divide."""
+    tokens, dim = h.shape
+    blocks = _tiles(tokens, dim, blocks, "copies_kernel")
+    cost = copies_cost(tokens, dim, n, h.dtype.itemsize, jnp.dtype(dtype).itemsize)
+    return _call(_copies_kernel, h, jax.ShapeDtypeStruct((n, tokens, dim), dtype), n, blocks, cost, interpret)
+
+
+def sum_kernel(x: jax.Array, dtype, *, blocks: tuple[int, int] | None = None, interpret: bool = False
+               ) -> jax.Array:
+    """X [n, tokens, D] → :func:`slab_sum` (float32) rounded to ``dtype``, [tokens, D], by one ``pallas_call``;
+    ``blocks`` as :func:`copies_kernel`'s."""
+    n, tokens, dim = x.shape
+    blocks = _tiles(tokens, dim, blocks, "sum_kernel")
+    cost = sum_cost(tokens, dim, n, x.dtype.itemsize, jnp.dtype(dtype).itemsize)
+    return _call(_sum_kernel, x, jax.ShapeDtypeStruct((tokens, dim), dtype), n, blocks, cost, interpret)
+
+
+def _broadcast(h: jax.Array, n: int, dtype) -> jax.Array:
+    return jnp.broadcast_to(h.astype(dtype)[None], (n, *h.shape))
+
+
+def _copies_shard(h: jax.Array, *, n: int, dtype, interpret: bool) -> jax.Array:
+    """One device's h [B, T, D] → [n, B, T, D]: the kernel, or a broadcast where no tile divides the shard."""
+    batch, seq, dim = h.shape
+    if mix_blocks(batch * seq, dim) is None:
+        return _broadcast(h, n, dtype)
+    return copies_kernel(h.reshape(batch * seq, dim), n, dtype, interpret=interpret).reshape(n, batch, seq, dim)
+
+
+def _sum_shard(x: jax.Array, *, dtype, interpret: bool) -> jax.Array:
+    """One device's X [n, B, T, D] → [B, T, D]: the kernel, or :func:`slab_sum` where no tile divides the shard."""
+    n, batch, seq, dim = x.shape
+    if mix_blocks(batch * seq, dim) is None:
+        return slab_sum(x).astype(dtype)
+    return sum_kernel(x.reshape(n, batch * seq, dim), dtype, interpret=interpret).reshape(batch, seq, dim)
+
+
+def copies(h: jax.Array, n: int, dtype, *, interpret: bool = False) -> jax.Array:
+    """h [B, T, D] → [n, B, T, D] in ``dtype``: the kernel on each device's shard on TPU, a broadcast elsewhere
+    (chosen when the step is lowered); ``interpret=True``: the TPU form in Pallas' interpreter on any platform.
+    Not differentiable itself: :func:`stream_copies` and :func:`stream_sum` give the gradients."""
+    tpu = per_shard(functools.partial(_copies_shard, n=n, dtype=dtype, interpret=interpret), (NAMES,),
+                    ("streams", *NAMES))
+    if interpret:
+        return tpu(h)
+    return jax.lax.platform_dependent(h, tpu=tpu, default=functools.partial(_broadcast, n=n, dtype=dtype))
+
+
+def summed(x: jax.Array, dtype, *, interpret: bool = False) -> jax.Array:
+    """X [n, B, T, D] → :func:`slab_sum` rounded to ``dtype`` [B, T, D]: the kernel on each device's shard on TPU,
+    XLA's slab additions elsewhere; ``interpret`` as :func:`copies`'. Not differentiable itself."""
+    tpu = per_shard(functools.partial(_sum_shard, dtype=dtype, interpret=interpret), (("streams", *NAMES),), NAMES)
+    if interpret:
+        return tpu(x)
+    return jax.lax.platform_dependent(x, tpu=tpu, default=lambda x: slab_sum(x).astype(dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def stream_copies(h: jax.Array, n: int) -> jax.Array:
+    """The n residual streams of the embedding h [B, T, D]: [n, B, T, D] in h's dtype, each stream h."""
+    return h[None] if n == 1 else copies(h, n, h.dtype)
+
+
+def _stream_copies_forward(h, n):
+    return stream_copies(h, n), None
+
+
+def _stream_copies_backward(n, _, g):
+    return (g[0] if n == 1 else summed(g, g.dtype),)
+
+
+stream_copies.defvjp(_stream_copies_forward, _stream_copies_backward)
+
+
+def stream_sum(x: jax.Array) -> jax.Array:
+    """The streams X [n, B, T, D] summed: [B, T, D] float32 (:func:`slab_sum`)."""
+    return _stream_sum(x, x.shape[0], x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _stream_sum(x: jax.Array, n: int, dtype) -> jax.Array:
+    return slab_sum(x)
+
+
+def _stream_sum_forward(x, n, dtype):
+    return slab_sum(x), None
+
+
+def _stream_sum_backward(n, dtype, _, g):
+    return (g.astype(dtype)[None] if n == 1 else copies(g, n, dtype),)
+
+
+_stream_sum.defvjp(_stream_sum_forward, _stream_sum_backward)
+
+
+__all__ = ["copies", "copies_cost", "copies_kernel", "slab_sum", "stream_copies", "stream_sum", "sum_cost",
+           "sum_kernel", "summed"]
