@@ -40,7 +40,7 @@ def test_the_sum_kernel_adds_the_streams_in_float32_and_rounds_once(in_dtype, ou
     got = sum_kernel(x, out_dtype, blocks=(16, 128), interpret=True)
     want = np.asarray(x, np.float64).sum(axis=0)
     assert got.shape == (B * T, D) and got.dtype == out_dtype
-    if in_dtype == jnp.bfloat16:  # 4 bfloat16 values add exactly in float32: one rounding gives these bits
+    if in_dtype == jnp.bfloat16:  # these 4 bfloat16 samples add exactly in float32: one rounding gives these bits
         np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.asarray(want, out_dtype)))
     else:
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6, atol=1e-6)
@@ -53,22 +53,23 @@ def test_under_a_mesh_each_shard_copies_and_sums_its_own_tokens():
     run_sum = lambda x: summed(x, jnp.bfloat16, interpret=True)  # noqa: E731
     with jax.set_mesh(make_mesh(2, 2, 2)):
         got_copies, got_sum = jax.jit(run_copies)(h), jax.jit(run_sum)(x)
-        inner = [e.params["in_specs"][0] for f, a in ((run_copies, h), (run_sum, x))
+        inner = [(e.params["in_specs"][0], e.params["out_specs"][0]) for f, a in ((run_copies, h), (run_sum, x))
                  for e in jax.make_jaxpr(f)(a).eqns if e.primitive.name == "shard_map"]
     np.testing.assert_array_equal(np.asarray(got_copies),
                                   np.broadcast_to(np.asarray(h.astype(jnp.bfloat16)), (N, 4, T, D)))
     np.testing.assert_array_equal(np.asarray(got_sum),
                                   np.asarray(jnp.asarray(np.asarray(x, np.float64).sum(axis=0), jnp.bfloat16)))
-    assert inner == [P(("data", "fsdp")), P(None, ("data", "fsdp"))]
+    assert inner == [(P(("data", "fsdp")), P(None, ("data", "fsdp"))), (P(None, ("data", "fsdp")), P(("data", "fsdp")))]
 
 
 def test_bad_tiles_are_refused_with_one_line():
     h, x = normal((B * T, D), jnp.float32), normal((N, B * T, D), jnp.float32)
-    for blocks in ((24, 128), (12, 128), (16, 256)):
+    for blocks in ((24, 128), (12, 128), (16, 256), (8, 128), (16, 192)):  # bfloat16: 16-row token tiles
         with pytest.raises(ValueError, match=r"copies_kernel needs tiles that divide \(tokens, dim\) = \(64, 384\)"):
             copies_kernel(h, N, jnp.bfloat16, blocks=blocks, interpret=True)
         with pytest.raises(ValueError, match=r"sum_kernel needs tiles that divide \(tokens, dim\) = \(64, 384\)"):
-            sum_kernel(x, jnp.float32, blocks=blocks, interpret=True)
+            sum_kernel(x, jnp.bfloat16, blocks=blocks, interpret=True)
+    assert copies_kernel(h, N, jnp.float32, blocks=(8, 384), interpret=True).shape == (N, B * T, D)  # float32: 8 rows
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -83,7 +84,7 @@ def test_copies_and_sum_with_their_gradients_match_float64_numpy(dtype):
     (dh,) = pullback(gx)
     assert out.dtype == dtype and dh.dtype == dtype
     np.testing.assert_array_equal(f64(out), np.broadcast_to(f64(h), (N, B, T, D)))
-    if dtype == jnp.bfloat16:  # 4 bfloat16 values add exactly in float32: one rounding gives these bits
+    if dtype == jnp.bfloat16:  # these 4 bfloat16 samples add exactly in float32: one rounding gives these bits
         np.testing.assert_array_equal(f64(dh), f64(jnp.asarray(f64(gx).sum(axis=0), dtype)))
     else:
         np.testing.assert_allclose(f64(dh), f64(gx).sum(axis=0), rtol=1e-6, atol=1e-6)
@@ -93,6 +94,15 @@ def test_copies_and_sum_with_their_gradients_match_float64_numpy(dtype):
     assert total.dtype == jnp.float32 and dx.dtype == dtype
     np.testing.assert_allclose(f64(total), f64(x).sum(axis=0), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(f64(dx), np.broadcast_to(f64(gh.astype(dtype)), (N, B, T, D)))
+
+
+def test_the_tpu_lowers_the_three_kernels_and_the_cpu_none():
+    """A gradient through both ends: the copies forward, the copies' gradient (the sum kernel) and the sum's
+    gradient (the copies again) are Pallas calls on TPU; the CPU's program has none."""
+    h = normal((B, T, D), jnp.bfloat16)
+    step = jax.jit(jax.grad(lambda h: jnp.sum(stream_sum(stream_copies(h, N)) ** 2)))
+    text = {platform: jax.export.export(step, platforms=[platform])(h).mlir_module() for platform in ("tpu", "cpu")}
+    assert text["tpu"].count("tpu_custom_call") == 3 and "tpu_custom_call" not in text["cpu"]
 
 
 def test_one_stream_is_the_embedding_itself():

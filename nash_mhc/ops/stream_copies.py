@@ -4,15 +4,16 @@ final h = sum_i X_i in float32, each the other's backward pass.
     copies:  X_i = h (in the streams' dtype)          its backward: dh = sum_i dX_i (float32, rounded once)
     sum:     h = X_0 + X_1 + ... + X_{n-1} (float32)  its backward: dX_i = dh (rounded to X's dtype)
 
-Both sums are n - 1 slab additions in this order, in float32. The TPU compiler's cost model charges a reduce over
-the streams axis of a bfloat16 [n, B, T, D] about 7 x the time of an addition of the same slabs, and a broadcast
-into n slabs about 8 x the HBM time of its bytes (`1b`, v6e: 2.1e6 and 1.5e6 cycles against 2.9e5 and 1.8e5;
-docs/tpu.md). So on TPU the copies are one Pallas kernel per call, each token tile of h read once and written n
-times (declared cost: those bytes, no FLOPs), and the copies' gradient is another, each token tile of the n slabs
-read once and their float32 sum written once in h's dtype (declared: those bytes, n - 1 additions per element),
-which also keeps the sum in row-major tiles (summed by XLA, it was fused after a transposing copy of all n slabs
-that the embedding's scatter-add asked for); elsewhere, and where no tile divides a shard, the broadcast and
-:func:`slab_sum`. ``interpret=True`` runs the kernels in Pallas' interpreter (CPU tests).
+Both sums are n - 1 slab additions in this order, in float32 (:func:`slab_sum`). The TPU compiler's cost model
+charges a reduce over the streams axis of a bfloat16 [n, B, T, D] about 7 x the time of an addition of the same
+slabs, and a broadcast into n slabs about 8 x the HBM time of its bytes (`1b`, v6e: 2.1e6 and 1.5e6 cycles
+against 2.9e5 and 1.8e5; docs/tpu.md). So on TPU the copies are one Pallas kernel per call, each token tile of h
+read once and written n times (declared cost: those bytes, no FLOPs), and the copies' gradient is another, each
+token tile of the n slabs read once and their float32 sum written once in h's dtype (declared: those bytes, n - 1
+additions per element), which also keeps the sum in row-major tiles (summed by XLA, it was fused after a
+transposing copy of all n slabs that the embedding's scatter-add asked for). Elsewhere, and where no tile divides
+a device's shard, the broadcast and :func:`slab_sum` in XLA. ``interpret=True`` runs the kernels in Pallas'
+interpreter (CPU tests).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nash_mhc.ops.stream_mix import mix_blocks
+from nash_mhc.ops.tpu_tiles import LANES, SUBLANES
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
@@ -59,11 +61,15 @@ def _sum_kernel(x_ref, h_ref):
     h_ref[...] = slab_sum(x_ref[...]).astype(h_ref.dtype)
 
 
-def _tiles(tokens: int, dim: int, blocks: tuple[int, int] | None, what: str) -> tuple[int, int]:
+def _tiles(tokens: int, dim: int, blocks: tuple[int, int] | None, itemsize: int, what: str) -> tuple[int, int]:
+    """(token tile, column tile): whole (8, 128) register tiles, 16 rows where a side is bfloat16 (two rows per
+    sublane), or the whole D as the column tile."""
     blocks = mix_blocks(tokens, dim) if blocks is None else blocks
-    if blocks is None or tokens % blocks[0] or blocks[0] % 8 or dim % blocks[1]:
-        raise ValueError(f"{what} needs tiles that divide (tokens, dim) = ({tokens}, {dim}) with a token tile "
-                         f"that is a multiple of 8, got {blocks}")
+    rows = SUBLANES * 4 // itemsize
+    if blocks is None or tokens % blocks[0] or blocks[0] % rows or dim % blocks[1] or \
+            (blocks[1] % LANES and blocks[1] != dim):
+        raise ValueError(f"{what} needs tiles that divide (tokens, dim) = ({tokens}, {dim}), a token tile that is "
+                         f"a multiple of {rows} and a column tile that is a multiple of {LANES} or D, got {blocks}")
     return blocks
 
 
@@ -87,7 +93,7 @@ def copies_kernel(h: jax.Array, n: int, dtype, *, blocks: tuple[int, int] | None
     """h [tokens, D] → X [n, tokens, D] in ``dtype``, X_i = h, by one ``pallas_call``. ``blocks``: (token tile,
     column tile), default :func:`nash_mhc.ops.stream_mix.mix_blocks`; ValueError where they do not divide."""
     tokens, dim = h.shape
-    blocks = _tiles(tokens, dim, blocks, "copies_kernel")
+    blocks = _tiles(tokens, dim, blocks, min(h.dtype.itemsize, jnp.dtype(dtype).itemsize), "copies_kernel")
     cost = copies_cost(tokens, dim, n, h.dtype.itemsize, jnp.dtype(dtype).itemsize)
     return _call(_copies_kernel, h, jax.ShapeDtypeStruct((n, tokens, dim), dtype), n, blocks, cost, interpret)
 
@@ -97,7 +103,7 @@ def sum_kernel(x: jax.Array, dtype, *, blocks: tuple[int, int] | None = None, in
     """X [n, tokens, D] → :func:`slab_sum` (float32) rounded to ``dtype``, [tokens, D], by one ``pallas_call``;
     ``blocks`` as :func:`copies_kernel`'s."""
     n, tokens, dim = x.shape
-    blocks = _tiles(tokens, dim, blocks, "sum_kernel")
+    blocks = _tiles(tokens, dim, blocks, min(x.dtype.itemsize, jnp.dtype(dtype).itemsize), "sum_kernel")
     cost = sum_cost(tokens, dim, n, x.dtype.itemsize, jnp.dtype(dtype).itemsize)
     return _call(_sum_kernel, x, jax.ShapeDtypeStruct((tokens, dim), dtype), n, blocks, cost, interpret)
 
