@@ -29,6 +29,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from host import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- fit-table start -->", "<!-- fit-table end -->"
 GIB = 2**30
@@ -219,7 +221,7 @@ def main() -> None:
     results = load(results_path)
     full_command = (f"python benchmarks/fit_table.py --max-batch {args.max_batch} --loss-chunks {args.loss_chunks} "
                     f"--remat-group {args.remat_group}")
-    machine = f"a shared {os.cpu_count()}-core AMD EPYC VM, CPU only"
+    machine = f"a shared {os.cpu_count()}-core VM ({cpu_model()}), CPU only"
 
     def refresh() -> None:  # the doc's table always covers the whole default grid (a run may do part of it)
         presets = [*PRESETS, *(p for p in args.presets if p not in PRESETS)]

@@ -33,15 +33,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from host import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 AGREEMENT, STEADINESS = 0.15, 0.10
 
 
 def machine() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                  if line.startswith("model name")), "?") if cpuinfo.exists() else "?"
-    return f"{os.cpu_count()} cores, {model}"
+    return f"{os.cpu_count()} cores, {cpu_model()}"
 
 
 def busy_seconds() -> float:

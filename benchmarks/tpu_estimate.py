@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from host import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- tpu-estimate start -->", "<!-- tpu-estimate end -->"
 GIB = 2**30
@@ -216,7 +218,7 @@ def main() -> None:
     if args.remat_group != FIT_REMAT_GROUP:
         chosen.append(f"--remat-group {args.remat_group}")
     command = " ".join(["python benchmarks/tpu_estimate.py", *chosen, f"--label {args.label}"])
-    machine = f"a shared {os.cpu_count()}-core AMD EPYC VM, CPU only"
+    machine = f"a shared {os.cpu_count()}-core VM ({cpu_model()}), CPU only"
 
     def refresh() -> None:
         rows, missing = table(results, PRESETS, SLICES, list(VARIANTS), batches, args.label)
