@@ -230,7 +230,10 @@ def _dx(x, dxo, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
         du32 = du.astype(F32)
         dx = jnp.stack([dxo[j].astype(F32) + scalars[:, j:j + 1] * du32 + scalars[:, n:] * x[j].astype(F32)
                         + draw @ w_t[j] for j in range(n)]).astype(x.dtype)
-        return dx, jnp.stack([x[j].astype(F32).T @ draw for j in range(n)])
+        # dW_j = X_jᵀ d_raw as (d_rawᵀ X_j)ᵀ from a materialised d_rawᵀ [C, T]: XLA CPU ran the product with
+        # d_raw's C = 24 columns minor at ~25 GFLOP/s, the [C, D] one 2-3 x as fast (benchmarks/README.md)
+        draw_t = jax.lax.optimization_barrier(draw.T)
+        return dx, jnp.swapaxes(jnp.stack([draw_t @ x[j].astype(F32) for j in range(n)]), 1, 2)
     tm, td = blocks
     stream = pl.BlockSpec((n, tm, td), lambda d, t: (0, t, d))
     dx, dw_t = pl.pallas_call(
