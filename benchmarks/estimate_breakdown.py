@@ -150,8 +150,9 @@ def by_part(text: str, device_kind: str | None) -> collections.Counter[str]:
 
 
 def read(path: str) -> str:
+    """The module's text, gzip-compressed or not (told by gzip's magic bytes, not by the file's name)."""
     raw = Path(path).read_bytes()
-    return (gzip.decompress(raw) if path.endswith(".gz") else raw).decode()
+    return (gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode()
 
 
 def main() -> None:
