@@ -21,6 +21,19 @@ def test_sinkhorn(benchmark, timed, n, tokens):
     benchmark.extra_info["matrices_per_second"] = round(tokens / benchmark.stats.stats.mean)
 
 
+@pytest.mark.parametrize("spread", ["narrow", "wide"])
+@pytest.mark.parametrize("tokens", [2048, 16384])
+def test_sinkhorn_forward_backward(benchmark, timed, tokens, spread):
+    """A gradient through n = 4 Sinkhorn (20 rounds), one jitted program: logits of std 1 ("narrow", about mHC's
+    at initialisation) or std 100 ("wide", all but permutation matrices)."""
+    scale = {"narrow": 1.0, "wide": 100.0}[spread]
+    logits = scale * jax.random.normal(jax.random.key(0), (tokens, 4, 4))
+    weights = jax.random.normal(jax.random.key(1), (tokens, 4, 4))
+    gradient = jax.jit(jax.grad(lambda z: jnp.sum(sinkhorn(z) * weights)))
+    timed(gradient, logits, rounds=20)
+    benchmark.extra_info["matrices_per_second"] = round(tokens / benchmark.stats.stats.mean)
+
+
 @pytest.mark.parametrize("scales", [2, 4])
 @pytest.mark.parametrize("tokens", [1024, 8192])
 def test_nash_aggregation(benchmark, timed, scales, tokens):
