@@ -5,6 +5,8 @@ split under a mesh, and the declared cost against an independent walk of the gri
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.extend
@@ -14,8 +16,8 @@ import pytest
 import reference as ref
 from helpers import declared, moved
 
-from nash_mhc.layers.hyperconnection import HyperConnection
-from nash_mhc.ops.stream_collapse import collapse_streams, kernel_costs
+from nash_mhc.layers.hyperconnection import HyperConnection, _mhc_pre_weights, _pre_operand
+from nash_mhc.ops.stream_collapse import PreWeights, _row_tile, collapse_streams, kernel_costs
 from nash_mhc.ops.stream_mix import stream_mix
 from nash_mhc.sharding import make_mesh
 
@@ -34,9 +36,14 @@ def connection(mode: str, seed: int = 0, tokens: int = T):
     return hc, x, jnp.asarray(1 + 0.5 * rng.normal(size=D), jnp.float32), w
 
 
+def pre_weights(hc: HyperConnection) -> PreWeights:
+    """The connection's H_pre for the collapse kernel, as :meth:`HyperConnection._mhc_collapse` passes it."""
+    return PreWeights(_pre_operand, functools.partial(_mhc_pre_weights, N, hc.phi.shape[0] // N, hc.norm.eps))
+
+
 def kernel_loss(hc, x, s, w, blocks=BLOCKS):
     """sum(w ⊙ X') of the connection with the collapse and mix kernels (interpreter)."""
-    xs, u, h_post, h_res = collapse_streams(hc._coefficient_function(), x, hc._weighted_phi(),
+    xs, u, h_post, h_res = collapse_streams(hc._coefficient_function(), pre_weights(hc), x, hc._weighted_phi(),
                                             hc._coefficient_params(), blocks=blocks, interpret=True)
     out = stream_mix(xs, u * s.astype(u.dtype), h_res, h_post, blocks=blocks, interpret=True)
     return jnp.sum(w * out.astype(jnp.float32))
@@ -84,7 +91,7 @@ def test_gradients_match_central_differences_of_the_float64_reference(mode, path
         def loss(delta, k=k):
             moved_values = [a + delta if i == k else a for i, a in enumerate(values)]
             return reference_loss(mode, moved_values[:6], moved_values[6], s, w, hc.norm.eps, hc.sinkhorn_iters)
-        if k == 0:  # the forward pass itself (the stats kernel's raw projection and sum of squares included)
+        if k == 0:  # the forward pass itself (the collapse kernel's raw projection, sum of squares, H_pre and u)
             np.testing.assert_allclose(float(loss_value), loss(0.0), rtol=1e-5)
         want = (loss(eps * v) - loss(-eps * v)) / (2 * eps)
         np.testing.assert_allclose(float(np.sum(np.asarray(grad, np.float64) * v)), want, rtol=2e-4,
@@ -117,7 +124,7 @@ def test_under_a_mesh_each_shard_runs_the_kernels_on_its_tokens():
 
 
 def test_kernels_that_accumulate_along_their_inner_grid_axis_declare_it_arbitrary():
-    """stats and dH_pre sum over column tiles, dx sums dW over token tiles: a "parallel" inner axis would let a
+    """dH_pre sums over column tiles, dx sums dW over token tiles: a "parallel" inner axis would let a
     megacore chip (v4, v5p) split the sum between its cores, which the interpreter cannot show."""
     hc, x, _, _ = connection("mhc")
     semantics = []
@@ -130,20 +137,28 @@ def test_kernels_that_accumulate_along_their_inner_grid_axis_declare_it_arbitrar
                 walk(sub)
 
     def loss(x, w):
-        _, u, h_post, h_res = collapse_streams(hc._coefficient_function(), x, w, hc._coefficient_params(),
-                                               blocks=BLOCKS)
+        _, u, h_post, h_res = collapse_streams(hc._coefficient_function(), pre_weights(hc), x, w,
+                                               hc._coefficient_params(), blocks=BLOCKS)
         return u.sum() + h_post.sum() + h_res.sum()
     walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, hc._weighted_phi()).jaxpr)
-    # stats, u (no sum: both axes parallel), dH_pre, dx
-    assert semantics == [("parallel", "arbitrary"), ("parallel", "parallel"), ("parallel", "arbitrary"),
-                         ("parallel", "arbitrary")]
+    # collapse (whole rows: no sum along the grid), dH_pre, dx
+    assert semantics == [("parallel",), ("parallel", "arbitrary"), ("parallel", "arbitrary")]
+
+
+@pytest.mark.parametrize("tokens,dim,want", [(8192, 2048, 128), (32768, 2048, 128), (4096, 768, 256), (48, 64, 16),
+                                             (8192, 16384, 16), (8192, 65536, None), (40, 256, None)])
+def test_the_forward_kernel_takes_the_largest_token_tile_of_whole_rows_that_fits(tokens, dim, want):
+    """Token tiles of whole rows: the largest of TOKEN_BLOCKS that divides T with n x tile x D float32 within
+    ROW_TILE_BYTES (4 MiB); none (the XLA form) where no tile divides T or even 16 rows are too wide."""
+    assert _row_tile(None, N, tokens, dim) == want
+    assert _row_tile((32, 128), N, tokens, dim) == 32  # given tiles win
 
 
 def test_bad_tiles_are_refused_with_one_line():
     hc, x, _, _ = connection("mhc")
     with pytest.raises(ValueError, match=r"collapse_streams needs tiles that divide \(tokens, dim\) = \(32, 256\)"):
-        collapse_streams(hc._coefficient_function(), x, hc._weighted_phi(), hc._coefficient_params(),
-                         blocks=(24, 128))
+        collapse_streams(hc._coefficient_function(), pre_weights(hc), x, hc._weighted_phi(),
+                         hc._coefficient_params(), blocks=(24, 128))
 
 
 @pytest.mark.parametrize("tokens,dim,blocks,x_bytes", [(32, 256, (16, 128), 4), (32768, 2048, (256, 512), 2)])
@@ -152,14 +167,13 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
     coeffs = 2 * N + N * N
     costs = kernel_costs(N, tokens, dim, coeffs, x_bytes, blocks)
     stream, slab = N * tm * td * x_bytes, tm * td * x_bytes
-    # stats, u and dh_pre: grid (token, column); dx: grid (column, token), tokens innermost
-    assert costs.stats.flops == 2 * N * tokens * dim * (coeffs + 1)
-    assert costs.stats.bytes_accessed == moved((tokens // tm, dim // td), [
-        (stream, lambda t, d: (t, d)), (N * dim * coeffs * 4, lambda t, d: 0), (tm * coeffs * 4, lambda t, d: t),
-        (tm * 4, lambda t, d: t)])
-    assert costs.u.flops == 2 * N * tokens * dim
-    assert costs.u.bytes_accessed == moved((tokens // tm, dim // td), [
-        (stream, lambda t, d: (t, d)), (tm * N * 4, lambda t, d: t), (slab, lambda t, d: (t, d))])
+    # collapse: grid (token), whole rows; dh_pre: grid (token, column); dx: grid (column, token), tokens innermost
+    rows = N * tm * dim * x_bytes
+    assert costs.collapse.flops == 2 * N * tokens * dim * (coeffs + 2)  # X_j W_j, X_j², H_pre X_j
+    assert costs.collapse.transcendentals == tokens * (N + 1)  # H_pre: rsqrt and n sigmoids per token
+    assert costs.collapse.bytes_accessed == moved((tokens // tm,), [
+        (rows, lambda t: t), (N * dim * coeffs * 4, lambda t: 0), (2 * N * 4, lambda t: 0),
+        (tm * coeffs * 4, lambda t: t), (tm * 4, lambda t: t), (tm * dim * x_bytes, lambda t: t)])
     assert costs.dh_pre.flops == 2 * N * tokens * dim
     assert costs.dh_pre.bytes_accessed == moved((tokens // tm, dim // td), [
         (stream, lambda t, d: (t, d)), (slab, lambda t, d: (t, d)), (tm * N * 4, lambda t, d: t)])
@@ -176,10 +190,11 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
     lite = (2 * N + 24,)  # n! = 24 permutation columns
 
     def loss(x, w, params):
-        _, u, h_post, h_res = collapse_streams(hc._coefficient_function(), x, w, params, blocks=blocks)
+        _, u, h_post, h_res = collapse_streams(hc._coefficient_function(), pre_weights(hc), x, w, params,
+                                               blocks=blocks)
         return u.astype(jnp.float32).sum() + h_post.sum() + h_res.sum()
     params = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((3,), (N,), (N,), (24,)))
     w = jax.ShapeDtypeStruct((N, dim, *lite), jnp.float32)
     lite_costs = kernel_costs(N, tokens, dim, lite[0], x_bytes, blocks)
-    assert declared(jax.grad(loss, argnums=(0, 1)), x, w, params) == [lite_costs.stats, lite_costs.u,
-                                                                       lite_costs.dh_pre, lite_costs.dx]
+    assert declared(jax.grad(loss, argnums=(0, 1)), x, w, params) == [lite_costs.collapse, lite_costs.dh_pre,
+                                                                       lite_costs.dx]

@@ -55,7 +55,7 @@ from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.sinkhorn import sinkhorn
-from nash_mhc.ops.stream_collapse import collapse_streams, stream_stats, weighted_sum
+from nash_mhc.ops.stream_collapse import PreWeights, collapse_streams, stream_stats, weighted_sum
 from nash_mhc.ops.stream_mix import SHARD_AXES, mix_blocks, stream_mix
 from nash_mhc.params import param
 from nash_mhc.sharding import per_shard
@@ -193,11 +193,13 @@ class HyperConnection(eqx.Module):
         of squares, then u, forward; the stream gradients and dW backward); elsewhere (and where no token tile
         divides T) the same custom backward with the kernels' slab forms in XLA (``kernels=False``)."""
         coefficients = self._coefficient_function()
+        n, dim = self.num_streams, xs.shape[2]
+        pre = PreWeights(_pre_operand, functools.partial(_mhc_pre_weights, n, dim, self.norm.eps))
         operands = (xs, self._weighted_phi(), self._coefficient_params())
-        xla = functools.partial(collapse_streams, coefficients, kernels=False)
+        xla = functools.partial(collapse_streams, coefficients, pre, kernels=False)
         if mix_blocks(xs.shape[1], xs.shape[2]) is None:
             return xla(*operands)
-        return jax.lax.platform_dependent(*operands, tpu=functools.partial(collapse_streams, coefficients),
+        return jax.lax.platform_dependent(*operands, tpu=functools.partial(collapse_streams, coefficients, pre),
                                           default=xla)
 
 
@@ -207,13 +209,27 @@ def _mhc_coefficients(mode: str, n: int, dim: int, eps: float, sinkhorn_iters: i
     the sum of squares [T] of the n·D values of each token (module docstring)."""
     alpha, b_pre, b_post, b_res = params
     a = raw * jax.lax.rsqrt(ss / (n * dim) + eps)[:, None]
-    a_pre, a_post, a_res = a[:, :n], a[:, n:2 * n], a[:, 2 * n:]
-    h_pre = jax.nn.sigmoid(alpha[0] * a_pre + b_pre)
+    a_post, a_res = a[:, n:2 * n], a[:, 2 * n:]
+    h_pre = _mhc_pre_weights(n, dim, eps, raw, ss[:, None], _pre_operand(params))
     h_post = 2.0 * jax.nn.sigmoid(alpha[1] * a_post + b_post)
     if mode == "mhc-lite":
         mix = jax.nn.softmax(alpha[2] * a_res + b_res, axis=-1)
         return h_pre, h_post, jnp.einsum("tk,kij->tij", mix, jnp.asarray(permutation_matrices(n)))
     return h_pre, h_post, sinkhorn(alpha[2] * rearrange(a_res, "t (i j) -> t i j", i=n) + b_res, sinkhorn_iters)
+
+
+def _pre_operand(params: tuple[jax.Array, ...]) -> jax.Array:
+    """[2, n] float32: alpha_pre in every column, then b_pre (what :func:`_mhc_pre_weights` reads)."""
+    alpha, b_pre = params[0], params[1]
+    return jnp.stack([jnp.broadcast_to(alpha[0], b_pre.shape), b_pre])
+
+
+def _mhc_pre_weights(n: int, dim: int, eps: float, raw: jax.Array, ss: jax.Array, operand: jax.Array) -> jax.Array:
+    """mhc / mhc-lite H_pre [T, n] = sigma(alpha_pre a_pre + b_pre) from raw [T, C], ss [T, 1] and
+    :func:`_pre_operand`: the one definition, in XLA (:func:`_mhc_coefficients`) and inside the TPU collapse
+    kernel (per token tile)."""
+    a_pre = raw[:, :n] * jax.lax.rsqrt(ss / (n * dim) + eps)
+    return jax.nn.sigmoid(operand[0:1] * a_pre + operand[1:2])
 
 
 def mix_streams(xs: Float[Array, "n seq dim"], y: Float[Array, "seq dim"], h_res: Float[Array, "seq n n"],

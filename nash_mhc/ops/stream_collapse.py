@@ -4,9 +4,16 @@ For one hyper-connection, from the streams X [n, T, D], the weighted projection 
 and the per-token coefficient function of the connection (``coefficients``: raw projection and sum of squares →
 H_pre, H_post, H_res):
 
-    raw = sum_j X_j W_j  [T, C]      ss = sum_j sum_d X_j²  [T]        kernel "stats"  (reads X once)
+    raw = sum_j X_j W_j  [T, C]      ss = sum_j sum_d X_j²  [T]        kernel "collapse"  (reads X once)
+    H_pre = pre.weights(raw, ss, pre.operand(params))                   kernel "collapse"  (per token)
+    u = sum_j H_pre[:, j] X_j  [T, D]    (rounded once to X's dtype)    kernel "collapse"  (the same read of X)
     (H_pre, H_post, H_res) = coefficients(raw, ss)                                      (XLA, [T, C]-sized)
-    u = sum_j H_pre[:, j] X_j  [T, D]    (rounded once to X's dtype)                    kernel "u"  (reads X once)
+
+The collapse kernel walks token tiles of whole rows ([n, tokens, D]), so a tile's statistics are complete before
+its u is summed: X is read once in the forward pass, where separate stats and u kernels read it twice (one pass
+over the streams more per sublayer, three per layer under grouped remat; docs/tpu.md). ``pre`` gives the kernel
+H_pre's part of ``coefficients`` (a per-token function of raw, ss and a small float32 operand made from the
+parameters), which must equal ``coefficients``'s H_pre.
 
 :func:`collapse_streams` returns (X, u, H_post, H_res): X passes through unchanged, so that the cotangent of the
 stream update that consumes X afterwards (:mod:`nash_mhc.ops.stream_mix`) arrives here and is added to the
@@ -32,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,34 +47,42 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from nash_mhc.ops.stream_mix import mix_blocks
+from nash_mhc.ops.stream_mix import TOKEN_BLOCKS, mix_blocks
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 STREAMS, TOKENS = ("streams", "tokens", "features"), ("tokens", "features")  # logical names for per_shard
+ROW_TILE_BYTES = 4 << 20  # the collapse kernel's token tile: at most this many bytes of float32 [n, tokens, D]
+
+
+class PreWeights(NamedTuple):
+    """H_pre inside the collapse kernel: ``operand(params)`` → a small float32 [k, n] array (XLA, once per call);
+    ``weights(raw [tm, C], ss [tm, 1], operand)`` → H_pre [tm, n] (per token, inside the kernel)."""
+
+    operand: Callable[..., jax.Array]
+    weights: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelCosts:
-    """The declared cost of the two forward kernels (stats, u) and the two backward kernels for one call."""
+    """The declared cost of the forward kernel (collapse) and the two backward kernels for one call."""
 
-    stats: pl.CostEstimate
-    u: pl.CostEstimate
+    collapse: pl.CostEstimate
     dh_pre: pl.CostEstimate
     dx: pl.CostEstimate
 
 
-def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int, blocks: tuple[int, int]
-                 ) -> KernelCosts:
+def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int, blocks: tuple[int, int],
+                 pre_rows: int = 2) -> KernelCosts:
     """FLOPs and HBM bytes of the kernels for X [n, T, D] of itemsize ``x_bytes`` (u and dX_out too) and C
     coefficient columns, on tiles ``blocks`` = (token tile, column tile).
 
-    stats: per stream, token and column C multiply-adds of X_j W_j and one of X_j²; reads X and W (whole, once),
-    writes raw (float32 [T, C]) and ss (float32 [T, 1]).
-    u: one multiply-add per stream, token and column; reads X and H_pre (float32 [T, n], once per token tile),
-    writes u (X's dtype).
+    collapse (token tiles of whole rows): per stream, token and column C multiply-adds of X_j W_j, one of X_j² and
+    one of H_pre X_j; reads X, W and the float32 [``pre_rows``, n] H_pre operand (whole, once), writes raw
+    (float32 [T, C]), ss (float32 [T, 1]) and u (X's dtype). H_pre per token: n + 1 transcendentals (an rsqrt
+    and n sigmoids), its few multiply-adds not counted.
     dh_pre: one multiply-add per stream, token and column; reads X and du, writes dH_pre (float32 [T, n]).
     dx: per stream, token and column 2 C multiply-adds (d_raw W_jᵀ, and X_jᵀ d_raw for dW) and three more (H_pre
     du, 2 d_ss X, dX_out); reads X, dX_out, du, the per-token scalars [T, n + 1] and d_raw [T, C] (float32) once
@@ -75,39 +91,28 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
     n, elems = streams, tokens * dim
     column_tiles = dim // blocks[1]
     stream, slab = n * elems * x_bytes, elems * x_bytes
-    stats = pl.CostEstimate(flops=2 * (coeffs + 1) * n * elems, transcendentals=0,
-                            bytes_accessed=stream + n * dim * coeffs * 4 + tokens * (coeffs + 1) * 4)
-    # u and dh_pre move the same: X, one [T, D] slab (u written, du read) and one float32 [T, n] (H_pre read,
-    # dH_pre written)
-    u = dh_pre = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
+    collapse = pl.CostEstimate(flops=2 * (coeffs + 2) * n * elems, transcendentals=tokens * (n + 1),
+                               bytes_accessed=stream + slab + n * dim * coeffs * 4 + pre_rows * n * 4
+                               + tokens * (coeffs + 1) * 4)
+    # dh_pre: X, one [T, D] slab (du) and one float32 [T, n] (dH_pre written)
+    dh_pre = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
     per_token = tokens * (n + 1 + coeffs) * 4
     dx = pl.CostEstimate(flops=2 * (2 * coeffs + 3) * n * elems, transcendentals=0,
                          bytes_accessed=3 * stream + slab + column_tiles * per_token + 2 * n * coeffs * dim * 4)
-    return KernelCosts(stats, u, dh_pre, dx)
+    return KernelCosts(collapse, dh_pre, dx)
 
 
 # -------------------------------------------------------------------------------------------- kernels
-def _stats_kernel(x_ref, w_ref, raw_ref, ss_ref):
-    n, _, td = x_ref.shape
-    columns = pl.ds(pl.multiple_of(pl.program_id(1) * td, td), td)
+def _collapse_kernel(pre_weights, x_ref, w_ref, p_ref, raw_ref, ss_ref, u_ref):
+    n = x_ref.shape[0]
     raw, ss = jnp.zeros(raw_ref.shape, F32), jnp.zeros(ss_ref.shape, F32)
     for j in range(n):
         xj = x_ref[j].astype(F32)
-        raw = raw + lax.dot_general(xj, w_ref[j, columns, :], _NN, preferred_element_type=F32)
+        raw = raw + lax.dot_general(xj, w_ref[j], _NN, preferred_element_type=F32)
         ss = ss + jnp.sum(xj * xj, axis=1, keepdims=True)
-
-    @pl.when(pl.program_id(1) == 0)
-    def _start():
-        raw_ref[...] = jnp.zeros(raw_ref.shape, F32)
-        ss_ref[...] = jnp.zeros(ss_ref.shape, F32)
-
-    raw_ref[...] += raw
-    ss_ref[...] += ss
-
-
-def _u_kernel(x_ref, h_ref, u_ref):
-    n = x_ref.shape[0]
-    h = h_ref[...]  # [tm, n]: H_pre
+    raw_ref[...] = raw
+    ss_ref[...] = ss
+    h = pre_weights(raw, ss, p_ref[...])  # [tm, n]: H_pre
     acc = h[:, 0:1] * x_ref[0].astype(F32)
     for j in range(1, n):
         acc = acc + h[:, j:j + 1] * x_ref[j].astype(F32)
@@ -149,8 +154,8 @@ def _dx_kernel(x_ref, dxo_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_
 # ------------------------------------------------------------------------------------------ pallas calls
 def stream_stats(slabs: list[jax.Array], w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(raw = sum_j X_j W_j [T, C], ss = sum_j sum_d X_j² [T]) of the n float32 slabs X_j [T, D], in XLA: what the
-    stats kernel computes, and the CPU's (and GPU's) form of it. The caller makes the slab list once and shares
-    it with :func:`weighted_sum`, so the backward pass adds each stream's gradients slab by slab."""
+    collapse kernel computes first, and the CPU's (and GPU's) form of it. The caller makes the slab list once and
+    shares it with :func:`weighted_sum`, so the backward pass adds each stream's gradients slab by slab."""
     return sum(s @ w[j] for j, s in enumerate(slabs)), sum(jnp.sum(s * s, axis=-1) for s in slabs)
 
 
@@ -165,41 +170,36 @@ def _tiles(blocks: tuple[int, int] | None, tokens: int, dim: int, kernels: bool)
     return (blocks or mix_blocks(tokens, dim)) if kernels else None
 
 
-def _stats(x, w, *, blocks, interpret, kernels=True):
-    """(raw = sum_j X_j W_j [T, C], ss = sum_j sum_d X_j² [T]) float32; the slab form in XLA where no tile divides
-    this shard's (T, D)."""
+def _row_tile(blocks: tuple[int, int] | None, streams: int, tokens: int, dim: int) -> int | None:
+    """The collapse kernel's token tile: ``blocks``' when given, else the largest of ``TOKEN_BLOCKS`` that divides
+    this shard's tokens and keeps n x tile x D float32 within ``ROW_TILE_BYTES``; None (the XLA form) if none."""
+    if blocks is not None:
+        return blocks[0]
+    return next((b for b in TOKEN_BLOCKS if tokens % b == 0 and streams * b * dim * 4 <= ROW_TILE_BYTES), None)
+
+
+def _collapse_rows(x, w, operand, *, pre_weights, blocks, interpret):
+    """(raw = sum_j X_j W_j [T, C], ss = sum_j sum_d X_j² [T], u = sum_j H_pre[:, j] X_j [T, D] in X's dtype) from
+    one read of X by the collapse kernel on token tiles of whole rows; in XLA (the slab forms, H_pre by
+    ``pre_weights``) where no tile fits this shard."""
     n, tokens, dim = x.shape
     coeffs = w.shape[2]
-    blocks = _tiles(blocks, tokens, dim, kernels)
-    if blocks is None:
-        return stream_stats([a.astype(F32) for a in x], w)
-    tm, td = blocks
-    raw, ss = pl.pallas_call(
-        _stats_kernel, grid=(tokens // tm, dim // td),
-        in_specs=[pl.BlockSpec((n, tm, td), lambda t, d: (0, t, d)),
-                  pl.BlockSpec((n, dim, coeffs), lambda t, d: (0, 0, 0))],
-        out_specs=[pl.BlockSpec((tm, coeffs), lambda t, d: (t, 0)), pl.BlockSpec((tm, 1), lambda t, d: (t, 0))],
-        out_shape=[jax.ShapeDtypeStruct((tokens, coeffs), F32), jax.ShapeDtypeStruct((tokens, 1), F32)],
-        cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, blocks).stats, interpret=interpret,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(x, w)
-    return raw, ss[:, 0]
-
-
-def _u(x, h_pre, *, blocks, interpret, kernels=True):
-    """u = sum_j H_pre[:, j] X_j [T, D] in X's dtype (float32 sums); :func:`weighted_sum` in XLA where no tile
-    divides this shard's (T, D). In XLA on TPU the per-token weights, laid out along lanes, were broadcast across
-    the columns at about 1.4 x the fusion's bytes (the compiler's estimate)."""
-    n, tokens, dim = x.shape
-    blocks = _tiles(blocks, tokens, dim, kernels)
-    if blocks is None:
-        return weighted_sum([a.astype(F32) for a in x], h_pre).astype(x.dtype)
-    tm, td = blocks
-    return pl.pallas_call(
-        _u_kernel, grid=(tokens // tm, dim // td),
-        in_specs=[pl.BlockSpec((n, tm, td), lambda t, d: (0, t, d)), pl.BlockSpec((tm, n), lambda t, d: (t, 0))],
-        out_specs=pl.BlockSpec((tm, td), lambda t, d: (t, d)), out_shape=jax.ShapeDtypeStruct((tokens, dim), x.dtype),
-        cost_estimate=kernel_costs(n, tokens, dim, 0, x.dtype.itemsize, blocks).u, interpret=interpret,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")))(x, h_pre)
+    tm = _row_tile(blocks, n, tokens, dim)
+    if tm is None:
+        slabs = [a.astype(F32) for a in x]
+        raw, ss = stream_stats(slabs, w)
+        return raw, ss, weighted_sum(slabs, pre_weights(raw, ss[:, None], operand)).astype(x.dtype)
+    raw, ss, u = pl.pallas_call(
+        functools.partial(_collapse_kernel, pre_weights), grid=(tokens // tm,),
+        in_specs=[pl.BlockSpec((n, tm, dim), lambda t: (0, t, 0)), pl.BlockSpec((n, dim, coeffs), lambda t: (0, 0, 0)),
+                  pl.BlockSpec(operand.shape, lambda t: (0, 0))],
+        out_specs=[pl.BlockSpec((tm, coeffs), lambda t: (t, 0)), pl.BlockSpec((tm, 1), lambda t: (t, 0)),
+                   pl.BlockSpec((tm, dim), lambda t: (t, 0))],
+        out_shape=[jax.ShapeDtypeStruct((tokens, coeffs), F32), jax.ShapeDtypeStruct((tokens, 1), F32),
+                   jax.ShapeDtypeStruct((tokens, dim), x.dtype)],
+        cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, (tm, dim), operand.shape[0]).collapse,
+        interpret=interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))(x, w, operand)
+    return raw, ss[:, 0], u
 
 
 def _dh_pre(x, du, *, blocks, interpret, kernels=True):
@@ -258,37 +258,41 @@ def _on_shards(kernels: bool, function, in_names, out_names, sums=()):
     return per_shard(function, in_names, out_names, sums) if kernels else function
 
 
-def _forward(coefficients, x, w, params, blocks, interpret, kernels, pullback=False):
+def _forward(coefficients, pre, x, w, params, blocks, interpret, kernels, pullback=False):
     """(X, u, H_post, H_res) and (H_pre, the coefficients' pullback when ``pullback``, else None)."""
-    raw, ss = _on_shards(kernels, functools.partial(_stats, blocks=blocks, interpret=interpret, kernels=kernels),
-                         (STREAMS, ("streams", "features", "hc_coeffs")), (("tokens", "hc_coeffs"), ("tokens",)))(x, w)
+    if kernels:  # TPU: raw, ss and u from one read of X, on each device's tokens
+        collapse = functools.partial(_collapse_rows, pre_weights=pre.weights, blocks=blocks, interpret=interpret)
+        raw, ss, u = per_shard(collapse, (STREAMS, ("streams", "features", "hc_coeffs"), ("hc_coeffs", "streams")),
+                               (("tokens", "hc_coeffs"), ("tokens",), TOKENS))(x, w, pre.operand(params))
+        # u written once. Fused into each of its consumers (the norm's statistics, the normalised input in two
+        # layouts under multiscale attention), XLA wrote float32 copies of the streams for them instead
+        u = lax.optimization_barrier(u)
+    else:
+        slabs = [a.astype(F32) for a in x]
+        raw, ss = stream_stats(slabs, w)
     if pullback:
         (h_pre, h_post, h_res), vjp = jax.vjp(coefficients, raw, ss, params)
     else:
         (h_pre, h_post, h_res), vjp = coefficients(raw, ss, params), None
-    u = _on_shards(kernels, functools.partial(_u, blocks=blocks, interpret=interpret, kernels=kernels),
-                   (STREAMS, ("tokens", "streams")), TOKENS)(x, h_pre)
-    if kernels:  # TPU: u written once (the kernel's, or the XLA form's where no tile divides). Fused into each of its
-        # consumers (the norm's statistics, the normalised input in two layouts under multiscale attention), XLA
-        # wrote float32 copies of the streams for them instead
-        u = lax.optimization_barrier(u)
+    if not kernels:
+        u = weighted_sum(slabs, h_pre).astype(x.dtype)
     return (x, u, h_post, h_res), (h_pre, vjp)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5, 6))
-def _collapse(coefficients, x, w, params, blocks, interpret, kernels):
-    return _forward(coefficients, x, w, params, blocks, interpret, kernels)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 5, 6, 7))
+def _collapse(coefficients, pre, x, w, params, blocks, interpret, kernels):
+    return _forward(coefficients, pre, x, w, params, blocks, interpret, kernels)[0]
 
 
-def _collapse_fwd(coefficients, x, w, params, blocks, interpret, kernels):
+def _collapse_fwd(coefficients, pre, x, w, params, blocks, interpret, kernels):
     """Saves the coefficients' pullback (their own residuals: Sinkhorn's saved iterates on CPU and GPU, its
     logits on TPU), so the backward pass does not recompute them."""
-    out, (h_pre, pullback) = _forward(coefficients, x, w, params, blocks, interpret, kernels, pullback=True)
+    out, (h_pre, pullback) = _forward(coefficients, pre, x, w, params, blocks, interpret, kernels, pullback=True)
     return out, (x, w, h_pre, pullback)
 
 
-def _collapse_bwd(coefficients, blocks, interpret, kernels, residuals, cotangents):
-    del coefficients
+def _collapse_bwd(coefficients, pre, blocks, interpret, kernels, residuals, cotangents):
+    del coefficients, pre
     x, w, h_pre, pullback = residuals
     dxo, du, dh_post, dh_res = cotangents
     du = du.astype(x.dtype)
@@ -306,7 +310,7 @@ def _collapse_bwd(coefficients, blocks, interpret, kernels, residuals, cotangent
 _collapse.defvjp(_collapse_fwd, _collapse_bwd)
 
 
-def collapse_streams(coefficients: Coefficients, x: jax.Array, w: jax.Array, params, *,
+def collapse_streams(coefficients: Coefficients, pre: PreWeights, x: jax.Array, w: jax.Array, params, *,
                      blocks: tuple[int, int] | None = None, interpret: bool = False, kernels: bool = True
                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(X, u, H_post, H_res) of the module docstring, with the Pallas backward kernels on each device's token
@@ -314,11 +318,14 @@ def collapse_streams(coefficients: Coefficients, x: jax.Array, w: jax.Array, par
 
     ``x`` [n, T, D] (any float dtype), ``w`` [n, D, C] float32, ``params`` a pytree of arrays that
     ``coefficients(raw [T, C], ss [T], params)`` reads (it returns H_pre [T, n], H_post [T, n], H_res [T, n, n]);
-    ``coefficients`` must be a hashable function of those arguments only. ``blocks``: (token tile, column tile);
-    by default :func:`nash_mhc.ops.stream_mix.mix_blocks` of each shard's (T, D), and the XLA slab form where
-    none divides. ValueError when given tiles do not divide (T, D)."""
+    ``coefficients`` must be a hashable function of those arguments only, and ``pre`` (hashable too) must compute
+    its H_pre (the forward kernel's; the XLA form, ``kernels=False``, takes H_pre from ``coefficients``).
+    ``blocks``: (token tile, column tile) of the backward kernels, the forward kernel taking the token tile with
+    whole rows; by default :func:`nash_mhc.ops.stream_mix.mix_blocks` of each shard's (T, D) backward and the
+    largest token tile within ``ROW_TILE_BYTES`` forward, and the XLA slab forms where none divides. ValueError
+    when given tiles do not divide (T, D)."""
     n, tokens, dim = x.shape
     if blocks is not None and (tokens % blocks[0] or blocks[0] % 8 or dim % blocks[1]):
         raise ValueError(f"collapse_streams needs tiles that divide (tokens, dim) = ({tokens}, {dim}) with a token "
                          f"tile that is a multiple of 8, got {blocks}")
-    return _collapse(coefficients, x, w, params, blocks, interpret, kernels)
+    return _collapse(coefficients, pre, x, w, params, blocks, interpret, kernels)
