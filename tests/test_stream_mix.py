@@ -4,6 +4,8 @@ CPU runs against the same reference, and the declared cost against an independen
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,8 +44,8 @@ def with_grads(mix, x, y, h_res, h_post, g):
     return (out, *pullback(g))
 
 
-def kernel(x, y, h_res, h_post):
-    return stream_mix(x, y, h_res, h_post, blocks=BLOCKS, interpret=True)
+def kernel(x, y, h_res, h_post, defer=False):
+    return stream_mix(x, y, h_res, h_post, blocks=BLOCKS, interpret=True, defer=defer)
 
 
 NAMES = ("out", "dx", "dy", "dh_res", "dh_post")
@@ -54,6 +56,19 @@ def test_forward_and_gradients_match_float64_reference(mix):
     case = inputs(jnp.float32)
     for name, a, b in zip(NAMES, with_grads(mix, *case), reference(*case), strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float64), b, atol=2e-5, rtol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("mix", [kernel, mix_streams], ids=["kernel", "xla"])
+def test_the_deferred_rule_hands_back_g_for_x_and_the_same_other_gradients(mix):
+    """``defer=True`` (the mhc collapse's update): x's cotangent is g itself, bit for bit, for the collapse to apply
+    H_resᵀ; the output and the other three gradients are the reference's."""
+    case = inputs(jnp.float32)
+    got = with_grads(functools.partial(mix, defer=True), *case)
+    want = reference(*case)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(case[4]))
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        if name != "dx":
+            np.testing.assert_allclose(np.asarray(a, np.float64), b, atol=2e-5, rtol=2e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("mix", [kernel, mix_streams], ids=["kernel", "xla"])
@@ -103,6 +118,9 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
     assert costs.backward.flops == 2 * per_element * tokens * dim
     assert costs.forward.bytes_accessed == moved(grid, [stream, slab, res, post, stream])
     assert costs.backward.bytes_accessed == moved(grid, [stream, slab, res, post, stream, stream, slab, res, post])
+    # deferred: dx not computed nor written (dy, dh_res and dh_post: n + n² + n multiply-adds)
+    assert costs.deferred_backward.flops == 2 * N * (N + 2) * tokens * dim
+    assert costs.deferred_backward.bytes_accessed == moved(grid, [stream, slab, res, post, stream, slab, res, post])
 
     dtype = {2: jnp.bfloat16, 4: jnp.float32}
     x = jax.ShapeDtypeStruct((N, tokens, dim), dtype[x_bytes])
@@ -112,3 +130,8 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
     def loss(x, y, r, p):
         return stream_mix(x, y, r, p, blocks=blocks).astype(jnp.float32).sum()
     assert declared(jax.grad(loss, argnums=(0, 1, 2, 3)), x, y, r, p) == [costs.forward, costs.backward]
+
+    def deferred_loss(x, y, r, p):
+        return stream_mix(x, y, r, p, blocks=blocks, defer=True).astype(jnp.float32).sum()
+    assert declared(jax.grad(deferred_loss, argnums=(0, 1, 2, 3)), x, y, r, p) == [costs.forward,
+                                                                                  costs.deferred_backward]

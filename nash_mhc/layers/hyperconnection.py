@@ -182,9 +182,10 @@ class HyperConnection(eqx.Module):
         if self.mode == "hc":
             h_pre, h_post, h_res = self.coefficients(jnp.swapaxes(xs, 0, 1))
             u = weighted_sum([xs[i].astype(jnp.float32) for i in range(n)], h_pre).astype(xs.dtype)
-        else:
-            xs, u, h_post, h_res = self._mhc_collapse(xs)
-        return mix_streams(xs, sublayer(u), h_res, h_post), h_res
+            return mix_streams(xs, sublayer(u), h_res, h_post), h_res
+        # the collapse's pass-through X feeds only the update, whose backward rule leaves H_resᵀ to the collapse's
+        xs, u, h_post, h_res = self._mhc_collapse(xs)
+        return mix_streams(xs, sublayer(u), h_res, h_post, defer=True), h_res
 
     def _mhc_collapse(self, xs: Float[Array, "n seq dim"]) -> tuple[
             Float[Array, "n seq dim"], Float[Array, "seq dim"], Float[Array, "seq n"], Float[Array, "seq n n"]]:
@@ -233,20 +234,23 @@ def _mhc_pre_weights(n: int, dim: int, eps: float, raw: jax.Array, ss: jax.Array
 
 
 def mix_streams(xs: Float[Array, "n seq dim"], y: Float[Array, "seq dim"], h_res: Float[Array, "seq n n"],
-                h_post: Float[Array, "seq n"]) -> Float[Array, "n seq dim"]:
+                h_post: Float[Array, "seq n"], *, defer: bool = False) -> Float[Array, "n seq dim"]:
     """X <- H_res X + H_post (x) y on the streams-major state, in float32, rounded once to X's dtype.
 
     Lowered for TPU, the Pallas kernels of :func:`nash_mhc.ops.stream_mix.stream_mix` on each device's token
     shard (the compiler's fusions of the slab form read every input slab once per output slab); elsewhere
     (CPU, GPU), and where no token tile divides T, the slab form in XLA with the kernels' backward rule
     (``kernels=False``). Chosen when the step is lowered
-    (``jax.lax.platform_dependent``); both compute the same float32 sums in the same order."""
-    xla = functools.partial(stream_mix, kernels=False)
+    (``jax.lax.platform_dependent``); both compute the same float32 sums in the same order. ``defer``: the backward
+    rule of :func:`nash_mhc.ops.stream_mix.stream_mix` with ``defer=True``, only for the pass-through X of the mhc
+    collapse."""
+    xla = functools.partial(stream_mix, kernels=False, defer=defer)
     if mix_blocks(xs.shape[1], xs.shape[2]) is None:
         return xla(xs, y, h_res, h_post)
-    return jax.lax.platform_dependent(xs, y, h_res, h_post, tpu=per_shard(_mix_shard, *SHARD_AXES), default=xla)
+    shard = functools.partial(_mix_shard, defer=defer)
+    return jax.lax.platform_dependent(xs, y, h_res, h_post, tpu=per_shard(shard, *SHARD_AXES), default=xla)
 
 
-def _mix_shard(xs: jax.Array, y: jax.Array, h_res: jax.Array, h_post: jax.Array) -> jax.Array:
+def _mix_shard(xs: jax.Array, y: jax.Array, h_res: jax.Array, h_post: jax.Array, defer: bool = False) -> jax.Array:
     """One device's tokens: the kernels, or the slab form where no token tile divides the shard."""
-    return stream_mix(xs, y, h_res, h_post, kernels=mix_blocks(xs.shape[1], xs.shape[2]) is not None)
+    return stream_mix(xs, y, h_res, h_post, kernels=mix_blocks(xs.shape[1], xs.shape[2]) is not None, defer=defer)

@@ -15,13 +15,16 @@ over the streams more per sublayer, three per layer under grouped remat; docs/tp
 H_pre's part of ``coefficients`` (a per-token function of raw, ss and a small float32 operand made from the
 parameters), which must equal ``coefficients``'s H_pre.
 
-:func:`collapse_streams` returns (X, u, H_post, H_res): X passes through unchanged, so that the cotangent of the
-stream update that consumes X afterwards (:mod:`nash_mhc.ops.stream_mix`) arrives here and is added to the
-collapse's own in one write. Backward, from (dX_out, du, dH_post, dH_res):
+:func:`collapse_streams` returns (X, u, H_post, H_res): X passes through unchanged for the stream update
+X' = H_res X + H_post (x) y that consumes it (:func:`nash_mhc.ops.stream_mix.stream_mix` with ``defer=True``),
+whose backward rule hands back the cotangent g of X' itself in X's place; this backward rule applies H_resᵀ to
+it, inside the same write as the collapse's own terms (so the update's dX = H_resᵀ g is never written and read
+back: one pass over the streams less per sublayer). The pass-through X may feed only that update. Backward, from
+(g, du, dH_post, dH_res):
 
     dH_pre[:, j] = sum_d du X_j                                       kernel "dh_pre"  (reads X, du)
     (d_raw, d_ss, d_params) = vjp(coefficients)(dH_pre, dH_post, dH_res)            (XLA, [T, C]-sized)
-    dX_j = dX_out_j + H_pre[:, j] du + 2 d_ss X_j + d_raw W_jᵀ        kernel "dx"  (reads X, dX_out, du)
+    dX_j = sum_i H_res[:, i, j] g_i + H_pre[:, j] du + 2 d_ss X_j + d_raw W_jᵀ   kernel "dx"  (reads X, g, du)
     dW_j = X_jᵀ d_raw                                                 kernel "dx"  (the same read of X)
 
 In XLA the sum of squares and the projection read X in separate fusions (about 1 ms for one 1b sublayer on v6e
@@ -76,7 +79,7 @@ class KernelCosts:
 
 def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int, blocks: tuple[int, int],
                  pre_rows: int = 2) -> KernelCosts:
-    """FLOPs and HBM bytes of the kernels for X [n, T, D] of itemsize ``x_bytes`` (u and dX_out too) and C
+    """FLOPs and HBM bytes of the kernels for X [n, T, D] of itemsize ``x_bytes`` (u and g too) and C
     coefficient columns, on tiles ``blocks`` = (token tile, column tile).
 
     collapse (token tiles of whole rows): per stream, token and column C multiply-adds of X_j W_j, one of X_j² and
@@ -84,8 +87,8 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
     (float32 [T, C]), ss (float32 [T, 1]) and u (X's dtype). H_pre per token: n + 1 transcendentals (an rsqrt
     and n sigmoids), its few multiply-adds not counted.
     dh_pre: one multiply-add per stream, token and column; reads X and du, writes dH_pre (float32 [T, n]).
-    dx: per stream, token and column 2 C multiply-adds (d_raw W_jᵀ, and X_jᵀ d_raw for dW) and three more (H_pre
-    du, 2 d_ss X, dX_out); reads X, dX_out, du, the per-token scalars [T, n + 1] and d_raw [T, C] (float32) once
+    dx: per stream, token and column 2 C multiply-adds (d_raw W_jᵀ, and X_jᵀ d_raw for dW), n for H_resᵀ g and two
+    more (H_pre du, 2 d_ss X); reads X, g, du, the per-token scalars [T, n + 1 + n²] and d_raw [T, C] (float32) once
     per column tile (the grid walks the tokens innermost), W once; writes dX and dWᵀ (float32 [n, C, D], each
     column tile's block once, after the tokens' sum)."""
     n, elems = streams, tokens * dim
@@ -96,8 +99,8 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
                                + tokens * (coeffs + 1) * 4)
     # dh_pre: X, one [T, D] slab (du) and one float32 [T, n] (dH_pre written)
     dh_pre = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
-    per_token = tokens * (n + 1 + coeffs) * 4
-    dx = pl.CostEstimate(flops=2 * (2 * coeffs + 3) * n * elems, transcendentals=0,
+    per_token = tokens * (n + 1 + n * n + coeffs) * 4
+    dx = pl.CostEstimate(flops=2 * (2 * coeffs + n + 2) * n * elems, transcendentals=0,
                          bytes_accessed=3 * stream + slab + column_tiles * per_token + 2 * n * coeffs * dim * 4)
     return KernelCosts(collapse, dh_pre, dx)
 
@@ -134,10 +137,11 @@ def _dh_pre_kernel(x_ref, du_ref, out_ref):
     out_ref[...] += partial
 
 
-def _dx_kernel(x_ref, dxo_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_ref):
+def _dx_kernel(x_ref, g_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_ref):
     n = x_ref.shape[0]
     du = du_ref[...].astype(F32)
-    scalars, draw = scalars_ref[...], draw_ref[...]  # [tm, n + 1]: H_pre, then 2 d_ss; [tm, C]
+    scalars, draw = scalars_ref[...], draw_ref[...]  # [tm, n + 1 + n²]: H_pre, 2 d_ss, then H_res; [tm, C]
+    gs = [g_ref[i].astype(F32) for i in range(n)]
 
     @pl.when(pl.program_id(1) == 0)
     def _start():
@@ -145,10 +149,19 @@ def _dx_kernel(x_ref, dxo_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_
 
     for j in range(n):
         xj = x_ref[j].astype(F32)
-        acc = dxo_ref[j].astype(F32) + scalars[:, j:j + 1] * du + scalars[:, n:n + 1] * xj
+        acc = _res_t(scalars, gs, j) + scalars[:, j:j + 1] * du + scalars[:, n:n + 1] * xj
         acc = acc + lax.dot_general(draw, w_ref[j], _NN, preferred_element_type=F32)
         dx_ref[j] = acc.astype(dx_ref.dtype)
         dw_ref[j] += lax.dot_general(draw, xj, _TN, preferred_element_type=F32)  # dW_jᵀ [C, td]
+
+
+def _res_t(scalars, gs, j):
+    """sum_i H_res[:, i, j] g_i [T, D] (float32): H_res [T, n, n] as the scalars' last n² columns, row-major."""
+    n = len(gs)
+    acc = scalars[:, n + 1 + j:n + 2 + j] * gs[0]
+    for i in range(1, n):
+        acc = acc + scalars[:, n + 1 + i * n + j:n + 2 + i * n + j] * gs[i]
+    return acc
 
 
 # ------------------------------------------------------------------------------------------ pallas calls
@@ -217,7 +230,7 @@ def _dh_pre(x, du, *, blocks, interpret, kernels=True):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(x, du)
 
 
-def _dx(x, dxo, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
+def _dx(x, g, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
     """(dX [n, T, D], dW [n, D, C] float32 = X_jᵀ d_raw) on grid (column tile, token tile): W's column tile and
     dW's stay put while the tokens walk, dW summing over them. The kernel writes dWᵀ [n, C, D] (d_rawᵀ X_j: the
     transposed operand is the [tm, C] d_raw tile, not X's, and the block is lane-dense). The token axis is
@@ -227,8 +240,8 @@ def _dx(x, dxo, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
     blocks = _tiles(blocks, tokens, dim, kernels)
     coeffs = draw.shape[1]
     if blocks is None:
-        du32 = du.astype(F32)
-        dx = jnp.stack([dxo[j].astype(F32) + scalars[:, j:j + 1] * du32 + scalars[:, n:] * x[j].astype(F32)
+        du32, gs = du.astype(F32), [a.astype(F32) for a in g]
+        dx = jnp.stack([_res_t(scalars, gs, j) + scalars[:, j:j + 1] * du32 + scalars[:, n:n + 1] * x[j].astype(F32)
                         + draw @ w_t[j] for j in range(n)]).astype(x.dtype)
         # dW_j = X_jᵀ d_raw as (d_rawᵀ X_j)ᵀ from a materialised d_rawᵀ [C, T]: XLA CPU ran the product with
         # d_raw's C = 24 columns minor at ~25 GFLOP/s, the [C, D] one 2-3 x as fast (benchmarks/README.md)
@@ -239,13 +252,14 @@ def _dx(x, dxo, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
     dx, dw_t = pl.pallas_call(
         _dx_kernel, grid=(dim // td, tokens // tm),
         in_specs=[stream, stream, pl.BlockSpec((tm, td), lambda d, t: (t, d)),
-                  pl.BlockSpec((tm, n + 1), lambda d, t: (t, 0)), pl.BlockSpec((tm, coeffs), lambda d, t: (t, 0)),
+                  pl.BlockSpec((tm, n + 1 + n * n), lambda d, t: (t, 0)),
+                  pl.BlockSpec((tm, coeffs), lambda d, t: (t, 0)),
                   pl.BlockSpec((n, coeffs, td), lambda d, t: (0, 0, d))],
         out_specs=[stream, pl.BlockSpec((n, coeffs, td), lambda d, t: (0, 0, d))],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((n, coeffs, dim), F32)],
         cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, blocks).dx, interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(
-            x, dxo, du, scalars, draw, w_t)
+            x, g, du, scalars, draw, w_t)
     return dx, jnp.swapaxes(dw_t, 1, 2)
 
 
@@ -288,22 +302,22 @@ def _collapse_fwd(coefficients, pre, x, w, params, blocks, interpret, kernels):
     """Saves the coefficients' pullback (their own residuals: Sinkhorn's saved iterates on CPU and GPU, its
     logits on TPU), so the backward pass does not recompute them."""
     out, (h_pre, pullback) = _forward(coefficients, pre, x, w, params, blocks, interpret, kernels, pullback=True)
-    return out, (x, w, h_pre, pullback)
+    return out, (x, w, h_pre, out[3], pullback)
 
 
 def _collapse_bwd(coefficients, pre, blocks, interpret, kernels, residuals, cotangents):
     del coefficients, pre
-    x, w, h_pre, pullback = residuals
-    dxo, du, dh_post, dh_res = cotangents
+    x, w, h_pre, h_res, pullback = residuals
+    g, du, dh_post, dh_res = cotangents  # g: the stream update's output cotangent (module docstring)
     du = du.astype(x.dtype)
     dh_pre = _on_shards(kernels, functools.partial(_dh_pre, blocks=blocks, interpret=interpret, kernels=kernels),
                         (STREAMS, TOKENS), ("tokens", "streams"))(x, du)
     draw, dss, dparams = pullback((dh_pre, dh_post.astype(F32), dh_res.astype(F32)))
-    scalars = jnp.concatenate([h_pre, 2.0 * dss[:, None]], axis=1)
+    scalars = jnp.concatenate([h_pre, 2.0 * dss[:, None], h_res.reshape(h_res.shape[0], -1)], axis=1)
     dx, dw = _on_shards(kernels, functools.partial(_dx, blocks=blocks, interpret=interpret, kernels=kernels),
                         (STREAMS, STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "hc_coeffs"),
                          ("streams", "hc_coeffs", "features")), (STREAMS, ("streams", "features", "hc_coeffs")),
-                        sums=(None, "tokens"))(x, dxo.astype(x.dtype), du, scalars, draw, jnp.swapaxes(w, 1, 2))
+                        sums=(None, "tokens"))(x, g.astype(x.dtype), du, scalars, draw, jnp.swapaxes(w, 1, 2))
     return dx, dw, dparams
 
 

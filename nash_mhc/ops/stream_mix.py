@@ -60,6 +60,7 @@ class KernelCosts:
 
     forward: pl.CostEstimate
     backward: pl.CostEstimate
+    deferred_backward: pl.CostEstimate
 
 
 def kernel_costs(streams: int, tokens: int, dim: int, x_bytes: int, y_bytes: int) -> KernelCosts:
@@ -67,7 +68,9 @@ def kernel_costs(streams: int, tokens: int, dim: int, x_bytes: int, y_bytes: int
 
     Forward: n (n + 1) multiply-adds per token and column (2 FLOPs each); reads x, y, h_res and h_post, writes
     the result. Backward: dx (n² multiply-adds), dy (n), dh_res (n²) and dh_post (n); reads x, y, g, h_res and
-    h_post, writes dx, dy, dh_res and dh_post. Coefficients are float32."""
+    h_post, writes dx, dy, dh_res and dh_post. The deferred backward (``defer=True``): dy (n), dh_res (n²) and
+    dh_post (n); reads x, y, g, h_res and h_post, writes dy, dh_res and dh_post (dx is g itself). Coefficients are
+    float32."""
     n, elems = streams, tokens * dim
     stream = n * elems * x_bytes             # x, the result, g or dx: n slabs
     slab = elems * y_bytes                   # y or dy
@@ -76,7 +79,9 @@ def kernel_costs(streams: int, tokens: int, dim: int, x_bytes: int, y_bytes: int
                               bytes_accessed=2 * stream + slab + coefficients)
     backward = pl.CostEstimate(flops=4 * n * (n + 1) * elems, transcendentals=0,
                                bytes_accessed=3 * stream + 2 * slab + 2 * coefficients)
-    return KernelCosts(forward, backward)
+    deferred = pl.CostEstimate(flops=2 * n * (n + 2) * elems, transcendentals=0,
+                               bytes_accessed=2 * stream + 2 * slab + 2 * coefficients)
+    return KernelCosts(forward, backward, deferred)
 
 
 # -------------------------------------------------------------------------------------------- kernels
@@ -101,13 +106,15 @@ def _columns(columns: list[jax.Array]) -> jax.Array:
     return out
 
 
-def _backward_kernel(x_ref, y_ref, res_ref, post_ref, g_ref, dx_ref, dy_ref, dres_ref, dpost_ref):
+def _backward_kernel(x_ref, y_ref, res_ref, post_ref, g_ref, *out_refs):
+    """Writes (dx, dy, dres, dpost), or (dy, dres, dpost) for the deferred rule."""
+    dx_ref, (dy_ref, dres_ref, dpost_ref) = (out_refs[0], out_refs[1:]) if len(out_refs) == 4 else (None, out_refs)
     n = x_ref.shape[0]
     xs = [x_ref[j].astype(F32) for j in range(n)]
     gs = [g_ref[i].astype(F32) for i in range(n)]
     y = y_ref[...].astype(F32)
     res, post = res_ref[...], post_ref[...]
-    for j in range(n):
+    for j in range(n if dx_ref is not None else 0):
         acc = res[:, j:j + 1] * gs[0]
         for i in range(1, n):
             acc = acc + res[:, i * n + j:i * n + j + 1] * gs[i]
@@ -137,12 +144,13 @@ def _mix_slabs(x, y, res, post):
     return jnp.stack(out).astype(x.dtype)
 
 
-def _backward_slabs(x, y, res, post, g):
+def _backward_slabs(x, y, res, post, g, defer=False):
     """The backward kernel's sums in XLA: dx stacked once (autodiff of the slab form instead pads every stream's
-    gradient to [n, T, D] and adds the n pads)."""
+    gradient to [n, T, D] and adds the n pads); g itself in dx's place for the deferred rule."""
     n = x.shape[0]
     xs, gs, y32 = [a.astype(F32) for a in x], [a.astype(F32) for a in g], y.astype(F32)
-    dx = jnp.stack([sum(res[:, i * n + j, None] * gs[i] for i in range(n)) for j in range(n)]).astype(x.dtype)
+    dx = g if defer else jnp.stack([sum(res[:, i * n + j, None] * gs[i] for i in range(n))
+                                    for j in range(n)]).astype(x.dtype)
     dy = sum(post[:, i, None] * gs[i] for i in range(n)).astype(y.dtype)
     dres = jnp.stack([jnp.sum(gs[i] * xs[j], axis=-1) for i in range(n) for j in range(n)], axis=-1)
     dpost = jnp.stack([jnp.sum(gs[i] * y32, axis=-1) for i in range(n)], axis=-1)
@@ -174,52 +182,59 @@ def _forward(x, y, res, post, blocks, interpret):
         **_params(interpret, "parallel"))(x, y, res, post)
 
 
-def _backward(x, y, res, post, g, blocks, interpret):
+def _backward(x, y, res, post, g, blocks, interpret, defer):
     if blocks is None:
-        return _backward_slabs(x, y, res, post, g)
+        return _backward_slabs(x, y, res, post, g, defer)
     n, tokens, dim = x.shape
     tm, td = blocks
     stream, slab, res_spec, post_spec = _specs(n, tm, td)
-    return pl.pallas_call(
+    costs = kernel_costs(n, tokens, dim, x.dtype.itemsize, y.dtype.itemsize)
+    outs = [(stream, x)] * (not defer) + [(slab, y), (res_spec, res), (post_spec, post)]  # res, post: float32
+    grads = pl.pallas_call(
         _backward_kernel, grid=(tokens // tm, dim // td), in_specs=[stream, slab, res_spec, post_spec, stream],
-        out_specs=[stream, slab, res_spec, post_spec],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype),
-                   jax.ShapeDtypeStruct(res.shape, F32), jax.ShapeDtypeStruct(post.shape, F32)],
-        cost_estimate=kernel_costs(n, tokens, dim, x.dtype.itemsize, y.dtype.itemsize).backward,
+        out_specs=[spec for spec, _ in outs], out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for _, a in outs],
+        cost_estimate=costs.deferred_backward if defer else costs.backward,
         **_params(interpret, "arbitrary"))(x, y, res, post, g)
+    return (g, *grads) if defer else tuple(grads)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _mix(x, y, res, post, blocks, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _mix(x, y, res, post, blocks, interpret, defer):
     return _forward(x, y, res, post, blocks, interpret)
 
 
-def _mix_fwd(x, y, res, post, blocks, interpret):
+def _mix_fwd(x, y, res, post, blocks, interpret, defer):
     return _forward(x, y, res, post, blocks, interpret), (x, y, res, post)
 
 
-def _mix_bwd(blocks, interpret, residuals, g):
+def _mix_bwd(blocks, interpret, defer, residuals, g):
     x, y, res, post = residuals
-    return _backward(x, y, res, post, g.astype(x.dtype), blocks, interpret)
+    return _backward(x, y, res, post, g.astype(x.dtype), blocks, interpret, defer)
 
 
 _mix.defvjp(_mix_fwd, _mix_bwd)
 
 
 def stream_mix(x: jax.Array, y: jax.Array, h_res: jax.Array, h_post: jax.Array, *,
-               blocks: tuple[int, int] | None = None, interpret: bool = False, kernels: bool = True) -> jax.Array:
+               blocks: tuple[int, int] | None = None, interpret: bool = False, kernels: bool = True,
+               defer: bool = False) -> jax.Array:
     """H_res X + H_post (x) y by the Pallas kernels: x [n, T, D] (any float dtype), y [T, D], h_res [T, n, n] and
     h_post [T, n] (float32) → [n, T, D] in x's dtype, computed in float32.
 
     ``blocks``: (token tile, column tile), default :func:`mix_blocks`; ValueError when they do not divide
     (T, D) or the token tile is not a multiple of 8. ``kernels=False``: the same sums and the same backward
-    rule in XLA over the n slabs (any T, D; ``blocks`` ignored), the CPU's and GPU's form."""
+    rule in XLA over the n slabs (any T, D; ``blocks`` ignored), the CPU's and GPU's form.
+
+    ``defer=True``: the backward rule hands back the output's cotangent g itself as x's, for the consumer that
+    made x to apply H_resᵀ (saves writing dx = H_resᵀ g and reading it back). Only for an x that is the pass-
+    through X of :func:`nash_mhc.ops.stream_collapse.collapse_streams`, which does that; anywhere else x's
+    gradient would be wrong."""
     n, tokens, dim = x.shape
     res = h_res.astype(F32).reshape(tokens, n * n)
     if not kernels:
-        return _mix(x, y, res, h_post.astype(F32), None, interpret)
+        return _mix(x, y, res, h_post.astype(F32), None, interpret, defer)
     blocks = mix_blocks(tokens, dim) if blocks is None else blocks
     if blocks is None or tokens % blocks[0] or blocks[0] % 8 or dim % blocks[1]:
         raise ValueError(f"stream_mix needs tiles that divide (tokens, dim) = ({tokens}, {dim}) with a token tile "
                          f"that is a multiple of 8, got {blocks}")
-    return _mix(x, y, res, h_post.astype(F32), blocks, interpret)
+    return _mix(x, y, res, h_post.astype(F32), blocks, interpret, defer)
