@@ -37,3 +37,29 @@ def test_step_compile_time(benchmark, depth):
         ratio = COMPILE_SECONDS[depth] / COMPILE_SECONDS[4]
         benchmark.extra_info["ratio_to_depth_4"] = round(ratio, 3)
         print(f"\ndepth {depth}: compile {COMPILE_SECONDS[depth]:.1f}s ({ratio:.2f}x depth 4)")
+
+
+TINY_COMPILE_TARGET_SECONDS = 60.0
+
+
+def test_tiny_step_compile_time(benchmark):
+    # the laptop preset's whole train step (forward, backward, optimizer) compiles within a minute on a 2-core CPU;
+    # a target, so it lives here and not in the unit tests, where a loaded machine would fail it
+    config = ModelConfig.preset("tiny")
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    state = init_train_state(config, TrainConfig(batch_size=4, warmup_steps=1, total_steps=10), mesh,
+                             key=jax.random.key(0))
+    batch = Batch(tokens=jax.numpy.zeros((4, config.seq_len + 1), jax.numpy.int32))
+
+    def compile_once() -> float:
+        jax.clear_caches()
+        start = time.perf_counter()
+        _train_step_jit.lower(batch, state).compile()
+        return time.perf_counter() - start
+
+    benchmark.pedantic(compile_once, rounds=1, iterations=1)
+    seconds = benchmark.stats.stats.mean
+    benchmark.extra_info["compile_seconds"] = round(seconds, 2)
+    benchmark.extra_info["target_seconds"] = TINY_COMPILE_TARGET_SECONDS
+    print(f"\ntiny train step: compile {seconds:.1f}s (target {TINY_COMPILE_TARGET_SECONDS:.0f}s)")
+    assert seconds < TINY_COMPILE_TARGET_SECONDS, f"tiny train step took {seconds:.1f}s to compile"
