@@ -57,12 +57,11 @@ MUTATIONS = {
                                                              [("h = pre_weights(raw, ss, p_ref[...])",
                                                                "h = pre_weights(raw, 0.5 * ss, p_ref[...])")],
                                                              ["tests/test_stream_collapse.py"]),
-    "collapse applies H_res, not its transpose, to g": (
-        "nash_mhc/ops/stream_collapse.py",
-        [("acc = scalars[:, n + 1 + j:n + 2 + j] * gs[0]", "acc = scalars[:, n + 1 + j * n:n + 2 + j * n] * gs[0]"),
-         ("acc = acc + scalars[:, n + 1 + i * n + j:n + 2 + i * n + j] * gs[i]",
-          "acc = acc + scalars[:, n + 1 + j * n + i:n + 2 + j * n + i] * gs[i]")],
-        [REFERENCE, "tests/test_stream_collapse.py"]),
+    "H_res, not its transpose, applied to g": (
+        "nash_mhc/ops/stream_mix.py",
+        [("acc = res[:, offset + j:offset + j + 1] * gs[0]", "acc = res[:, offset + j * n:offset + j * n + 1] * gs[0]"),
+         ("k = offset + i * n + j", "k = offset + j * n + i")],
+        [REFERENCE, "tests/test_stream_collapse.py", "tests/test_stream_mix.py"]),
     "deferred update's XLA rule applies H_res too": ("nash_mhc/ops/stream_mix.py",
                                                     [("dx = g if defer else", "dx = g if False else")],
                                                     ["tests/test_stream_mix.py", "tests/test_stream_collapse.py"]),

@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from nash_mhc.ops.stream_mix import TOKEN_BLOCKS, mix_blocks
+from nash_mhc.ops.stream_mix import TOKEN_BLOCKS, mix_blocks, res_transpose
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
@@ -149,19 +149,10 @@ def _dx_kernel(x_ref, g_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_re
 
     for j in range(n):
         xj = x_ref[j].astype(F32)
-        acc = _res_t(scalars, gs, j) + scalars[:, j:j + 1] * du + scalars[:, n:n + 1] * xj
+        acc = res_transpose(scalars, gs, j, n + 1) + scalars[:, j:j + 1] * du + scalars[:, n:n + 1] * xj
         acc = acc + lax.dot_general(draw, w_ref[j], _NN, preferred_element_type=F32)
         dx_ref[j] = acc.astype(dx_ref.dtype)
         dw_ref[j] += lax.dot_general(draw, xj, _TN, preferred_element_type=F32)  # dW_jᵀ [C, td]
-
-
-def _res_t(scalars, gs, j):
-    """sum_i H_res[:, i, j] g_i [T, D] (float32): H_res [T, n, n] as the scalars' last n² columns, row-major."""
-    n = len(gs)
-    acc = scalars[:, n + 1 + j:n + 2 + j] * gs[0]
-    for i in range(1, n):
-        acc = acc + scalars[:, n + 1 + i * n + j:n + 2 + i * n + j] * gs[i]
-    return acc
 
 
 # ------------------------------------------------------------------------------------------ pallas calls
@@ -241,8 +232,8 @@ def _dx(x, g, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
     coeffs = draw.shape[1]
     if blocks is None:
         du32, gs = du.astype(F32), [a.astype(F32) for a in g]
-        dx = jnp.stack([_res_t(scalars, gs, j) + scalars[:, j:j + 1] * du32 + scalars[:, n:n + 1] * x[j].astype(F32)
-                        + draw @ w_t[j] for j in range(n)]).astype(x.dtype)
+        dx = jnp.stack([res_transpose(scalars, gs, j, n + 1) + scalars[:, j:j + 1] * du32
+                        + scalars[:, n:n + 1] * x[j].astype(F32) + draw @ w_t[j] for j in range(n)]).astype(x.dtype)
         # dW_j = X_jᵀ d_raw as (d_rawᵀ X_j)ᵀ from a materialised d_rawᵀ [C, T]: XLA CPU ran the product with
         # d_raw's C = 24 columns minor at ~25 GFLOP/s, the [C, D] one 2-3 x as fast (benchmarks/README.md)
         draw_t = jax.lax.optimization_barrier(draw.T)

@@ -97,6 +97,18 @@ def _forward_kernel(x_ref, y_ref, res_ref, post_ref, out_ref):
         out_ref[i] = (acc + post[:, i:i + 1] * y).astype(out_ref.dtype)
 
 
+def res_transpose(res: jax.Array, gs: list[jax.Array], j: int, offset: int = 0) -> jax.Array:
+    """sum_i H_res[:, i, j] g_i [T, D] (float32): stream j's cotangent through H_res X, from the n cotangents g_i
+    [T, D] and H_res [T, n, n] held row-major as the n² columns of ``res`` from ``offset`` on. The one definition
+    of H_resᵀ g, in the Pallas kernels (here and the collapse's dx) and their XLA forms."""
+    n = len(gs)
+    acc = res[:, offset + j:offset + j + 1] * gs[0]
+    for i in range(1, n):
+        k = offset + i * n + j
+        acc = acc + res[:, k:k + 1] * gs[i]
+    return acc
+
+
 def _columns(columns: list[jax.Array]) -> jax.Array:
     """[tm, k] from k columns [tm, 1] (a lane select per column: no lane concatenation in the kernel)."""
     lane = lax.broadcasted_iota(jnp.int32, (columns[0].shape[0], len(columns)), 1)
@@ -115,10 +127,7 @@ def _backward_kernel(x_ref, y_ref, res_ref, post_ref, g_ref, *out_refs):
     y = y_ref[...].astype(F32)
     res, post = res_ref[...], post_ref[...]
     for j in range(n if dx_ref is not None else 0):
-        acc = res[:, j:j + 1] * gs[0]
-        for i in range(1, n):
-            acc = acc + res[:, i * n + j:i * n + j + 1] * gs[i]
-        dx_ref[j] = acc.astype(dx_ref.dtype)
+        dx_ref[j] = res_transpose(res, gs, j).astype(dx_ref.dtype)
     dy = post[:, 0:1] * gs[0]
     for i in range(1, n):
         dy = dy + post[:, i:i + 1] * gs[i]
@@ -149,8 +158,7 @@ def _backward_slabs(x, y, res, post, g, defer=False):
     gradient to [n, T, D] and adds the n pads); g itself in dx's place for the deferred rule."""
     n = x.shape[0]
     xs, gs, y32 = [a.astype(F32) for a in x], [a.astype(F32) for a in g], y.astype(F32)
-    dx = g if defer else jnp.stack([sum(res[:, i * n + j, None] * gs[i] for i in range(n))
-                                    for j in range(n)]).astype(x.dtype)
+    dx = g if defer else jnp.stack([res_transpose(res, gs, j) for j in range(n)]).astype(x.dtype)
     dy = sum(post[:, i, None] * gs[i] for i in range(n)).astype(y.dtype)
     dres = jnp.stack([jnp.sum(gs[i] * xs[j], axis=-1) for i in range(n) for j in range(n)], axis=-1)
     dpost = jnp.stack([jnp.sum(gs[i] * y32, axis=-1) for i in range(n)], axis=-1)
