@@ -214,7 +214,7 @@ def compile_step(model: ModelConfig, train: TrainConfig, slice_name: str):
     return jax.jit(lambda b, s: step_module._train_step_jit(b, s), donate_argnums=1).lower(batch, state).compile()
 
 
-@pytest.mark.slow  # two TPU compiles, about 50 s on 2 cores
+@pytest.mark.slow  # two TPU compiles with every Pallas kernel: 257 s in the full run of 2026-11-29 (2 cores)
 @needs_libtpu
 def test_the_train_steps_loops_match_an_unrolled_compile_of_the_same_step():
     """mhc + multiscale + nash with every kind of loop (2 microbatches, 2 loss chunks, remat in groups of 2

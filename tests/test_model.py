@@ -213,15 +213,16 @@ def test_untied_head_and_bfloat16_compute():
 
 @pytest.mark.slow
 def test_remat_policies_and_scan_unroll_do_not_change_results():
+    # each policy once, the unroll beside a policy (dots; full in groups) rather than alone: a compile of the tiny
+    # step's gradient takes about 45 s on the 2-core VM
     batch = tokens(batch=2, seq=SEQ + 1)
     results = {}
-    settings = {"none": {}, "full": {}, "dots": {}, "full-group": {"remat_group": 2},  # tiny: 2 layers, 1 group
-                "none-unrolled": {"scan_unroll": 2}, "dots-unrolled": {"scan_unroll": 3},
-                "full-group-unrolled": {"remat_group": 2, "scan_unroll": 2}}
+    settings = {"none": {}, "full": {}, "full-group": {"remat_group": 2},  # tiny: 2 layers, 1 group
+                "dots-unrolled": {"scan_unroll": 3}, "full-group-unrolled": {"remat_group": 2, "scan_unroll": 2}}
     for name, extra in settings.items():
         config = ModelConfig.preset("tiny", remat=name.split("-")[0], **extra)
         results[name] = value_and_grad(perturbed(LanguageModel(config, key=jax.random.key(0))), batch)
-    for remat in ("full", "dots", "full-group", "none-unrolled", "dots-unrolled", "full-group-unrolled"):
+    for remat in ("full", "full-group", "dots-unrolled", "full-group-unrolled"):
         np.testing.assert_allclose(float(results[remat][0]), float(results["none"][0]), rtol=1e-6)
         for a, b in zip(jax.tree.leaves(results[remat][1]), jax.tree.leaves(results["none"][1]), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
