@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from nash_mhc import ModelConfig, TrainConfig, make_mesh
+from nash_mhc.study.tpu_estimate import variant_config
 from nash_mhc.training import Batch, init_train_state
 from nash_mhc.training.step import _train_step_jit
 
@@ -50,16 +51,16 @@ def test_step_compile_time(benchmark, depth):
 TINY_COMPILE_TARGET_SECONDS = 60.0
 
 
-# the tiny preset's variants, from the plainest up to its default (mhc + multiscale + nash): where the compile goes
-TINY_VARIANTS = {"plain+full": dict(residual="plain", attention="full"), "mhc+full": dict(attention="full"),
-                 "mhc+multiscale+convex": dict(aggregation="convex"), "mhc+multiscale+nash": {}}
+# the study variants (nash_mhc.study.variants) from the plainest up to the tiny preset's own, mhc + multiscale +
+# nash: where the compile goes
+TINY_VARIANTS = ["plain+full", "mhc+full", "mhc+convex", "mhc+nash"]
 
 
-@pytest.mark.parametrize("variant", list(TINY_VARIANTS))
+@pytest.mark.parametrize("variant", TINY_VARIANTS)
 def test_tiny_step_compile_time(benchmark, variant):
     # the laptop preset's whole train step (forward, backward, optimizer) compiles within a minute on a 2-core CPU,
     # in each variant; a target, so it lives here and not in the unit tests, where a loaded machine would fail it
-    config = ModelConfig.preset("tiny", **TINY_VARIANTS[variant])
+    config = variant_config("tiny", variant)
     seconds = timed_step_compile(benchmark, config, batch_size=4)
     benchmark.extra_info["target_seconds"] = TINY_COMPILE_TARGET_SECONDS
     print(f"\ntiny {variant} train step: compile {seconds:.1f}s (target {TINY_COMPILE_TARGET_SECONDS:.0f}s)")
