@@ -96,6 +96,13 @@ MUTATIONS = {
                                                    "    f.defvjp(forward, backward)\n    return lambda *a: "
                                                    "jax.lax.platform_dependent(*a, tpu=tpu, default=default)\n")],
                                                  ["tests/test_dispatch.py"]),
+    "platform_dependent traces every branch under a mesh": ("nash_mhc/ops/dispatch.py",
+                                                            [("    if branch is not None:\n", "    if False:\n")],
+                                                            ["tests/test_dispatch.py"]),
+    "platform_dependent takes the default on a TPU mesh": ("nash_mhc/ops/dispatch.py",
+                                                           [("branch = per_platform.get(platform, default)",
+                                                             "branch = default")],
+                                                           ["tests/test_dispatch.py"]),
     "RoPE kernel backward rotates forward": ("nash_mhc/ops/rope_kernel.py",
                                              [("return _run(g, cos, -sin, rows, interpret)",
                                                "return _run(g, cos, sin, rows, interpret)")],

@@ -1,4 +1,5 @@
-"""nash_mhc.ops.dispatch.platform_vjp: the form of the platform the step is lowered for, in the forward and the
+"""nash_mhc.ops.dispatch: platform_dependent traces only the branch of the ambient mesh's platform where that
+settles the choice; platform_vjp lowers the form of the platform the step is lowered for, in the forward and the
 backward pass, and no other form's residuals in between."""
 
 from __future__ import annotations
@@ -6,8 +7,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
 
-from nash_mhc.ops.dispatch import platform_vjp
+from nash_mhc.ops.dispatch import platform_dependent, platform_vjp
 
 
 def tpu_form(x, w):
@@ -63,3 +66,57 @@ def test_the_forward_choice_returns_the_output_alone():
 
     assert conds(platform_vjp(tpu_form, default_form)) == [1]
     assert max(conds(lambda x, w: jax.lax.platform_dependent(x, w, tpu=tpu_form, default=default_form))) > 1
+
+
+def abstract_mesh(platform: str | None) -> AbstractMesh:
+    """A (2,)-device abstract mesh on ``platform`` (None: no device, as an AbstractMesh built by hand)."""
+    device = None if platform is None else AbstractDevice(device_kind=platform, num_cores=None, platform=platform)
+    return AbstractMesh((2,), ("data",), abstract_device=device)
+
+
+def traced(mesh: AbstractMesh | None, names: tuple[str, ...]) -> tuple[list[str], set[str]]:
+    """(the branches platform_dependent traced under ``mesh`` (None: no mesh), in order; the primitives of the
+    jaxpr), with one branch per name of ``names`` ("default" the default branch), each tanh(x) * k for its k."""
+    seen = []
+
+    def branch(name: str, k: float):
+        def run(x):
+            seen.append(name)
+            return jnp.tanh(x) * k
+        return run
+
+    branches = {name: branch(name, k) for k, name in enumerate(names, start=1)}
+
+    def f(x):
+        return platform_dependent(x, **branches)
+
+    x = jnp.ones((4,), jnp.float32)
+    if mesh is None:
+        jaxpr = jax.make_jaxpr(f)(x)
+    else:
+        with jax.sharding.use_abstract_mesh(mesh):
+            jaxpr = jax.make_jaxpr(f)(x)
+    return seen, {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+
+
+@pytest.mark.parametrize(("platform", "names", "want"), [
+    ("cpu", ("tpu", "default"), ["default"]),
+    ("cpu", ("cpu", "tpu", "default"), ["cpu"]),
+    ("tpu", ("tpu", "default"), ["tpu"]),
+    ("gpu", ("tpu", "default"), ["default"]),  # no cuda or rocm branch: a GPU takes the default either way
+])
+def test_under_a_mesh_only_its_platforms_branch_is_traced(platform, names, want):
+    seen, primitives = traced(abstract_mesh(platform), names)
+    assert seen == want and "cond" not in primitives and "platform_index" not in primitives
+
+
+@pytest.mark.parametrize(("mesh", "names"), [
+    (None, ("tpu", "default")),  # no mesh: jax.export may still lower for any platform
+    (abstract_mesh(None), ("tpu", "default")),  # a mesh that names no device
+    (abstract_mesh("gpu"), ("cuda", "tpu", "default")),  # "gpu" does not say cuda or rocm
+    (abstract_mesh("tpu"), ("cpu",)),  # no branch for the platform: lowering it stays an error of JAX's
+])
+def test_where_the_mesh_does_not_settle_it_every_branch_is_traced_and_lowering_chooses(mesh, names):
+    seen, primitives = traced(mesh, names)
+    assert sorted(seen) == sorted(names) and "cond" in primitives
+

@@ -316,7 +316,18 @@ def collectives(jaxpr: jax.extend.core.Jaxpr, inside_shard_map: bool = False) ->
     return found
 
 
-def test_step_contains_shard_map_collectives(runs):
+def primitives(jaxpr: jax.extend.core.Jaxpr) -> set[str]:
+    """The names of every primitive in ``jaxpr``, sub-jaxprs included."""
+    found = {eqn.primitive.name for eqn in jaxpr.eqns}
+    for eqn in jaxpr.eqns:
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found |= primitives(sub)
+    return found
+
+
+def test_step_contains_shard_map_collectives_and_no_tpu_branch(runs):
+    """The psums of the sharded loss; and under its CPU mesh the step traces no Pallas kernel and leaves no
+    platform choice to the lowering (nash_mhc.ops.dispatch.platform_dependent)."""
     state = runs[(2, 2, 2)]["state"]
     batch = shard_batch(runs[(2, 2, 2)]["batches"][0], state.mesh)
     jaxpr = eqx.filter_make_jaxpr(step_module._train_step)(batch, state)[0]
@@ -324,6 +335,8 @@ def test_step_contains_shard_map_collectives(runs):
     assert ("pmax", ("tp",)) in found  # row max of the vocab-parallel softmax
     assert ("psum", ("tp",)) in found  # Σ exp and the target logit over vocab shards
     assert ("psum", ("data", "fsdp")) in found  # global loss sum / token count
+    names = primitives(jaxpr.jaxpr)
+    assert "custom_vjp_call" in names and "pallas_call" not in names and "platform_index" not in names
 
 
 # ----------------------------------------------------------------------------------------- optimizer

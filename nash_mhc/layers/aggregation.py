@@ -14,6 +14,7 @@ from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
 from nash_mhc.ops.aggregation import combine, gate_weights, nash_aggregate, normalised_entropy, prior_weights
+from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.params import param
 
 
@@ -88,7 +89,7 @@ class ScaleAggregation(eqx.Module):
             prior, log_temperature, gate = params
             if log_temperature is not None:  # TPU: the passes over the outputs in ops.aggregation_kernels
                 nash = functools.partial(nash_aggregate, num_iters=self.num_iters)
-                output, weights, residual = jax.lax.platform_dependent(
+                output, weights, residual = platform_dependent(
                     outputs, available, prior, jnp.exp(log_temperature), tpu=functools.partial(nash, kernels=True),
                     default=nash)
             else:

@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int, jaxtyped
 from nash_mhc.layers.aggregation import ScaleAggregation
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
 from nash_mhc.ops.attention import causal_attention, cudnn_causal_attention, cudnn_usable
+from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.ops.flash_attention import flash_block, flash_causal_attention
 from nash_mhc.ops.multiscale import downsample, downsample_heads, renormalise, upsample_shifted
 from nash_mhc.ops.rope import rope
@@ -29,7 +30,7 @@ def attend(q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch s
     (:func:`nash_mhc.sharding.per_shard_attention`), so the [T, T] scores never reach HBM. Elsewhere (CPU, a
     float32 GPU step), and on TPU where no flash block divides T, the XLA path
     (:func:`nash_mhc.ops.attention.causal_attention` per sequence). The choice is made when the step is
-    lowered (``jax.lax.platform_dependent``), so one traced model serves every backend, except that the cuDNN
+    lowered (``dispatch.platform_dependent``), so one traced model serves every backend, except that the cuDNN
     branch exists only where the tracing host's default backend is such a GPU (a cuDNN call cannot be traced
     elsewhere: a step traced on a CPU host takes the XLA path on a GPU). All paths compute the same function
     with float32 scores and softmax; their rounding differs (block-wise online softmax).
@@ -42,7 +43,7 @@ def attend(q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch s
         kernels["cuda"] = per_shard_attention(cudnn_causal_attention)
     if not kernels:
         return xla(q, k, v)
-    return jax.lax.platform_dependent(q, k, v, default=xla, **kernels)
+    return platform_dependent(q, k, v, default=xla, **kernels)
 
 
 class MultiscaleAttention(eqx.Module):

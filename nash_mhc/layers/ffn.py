@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, jaxtyped
 
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
+from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.params import param
 from nash_mhc.sharding import constrain_batch
 
@@ -49,7 +50,7 @@ def _swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array)
 
 def gated_silu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """silu(gate) ⊙ up [T, F]. On TPU its backward pass writes d gate and d up once (:func:`gated_silu_tpu`)."""
-    return jax.lax.platform_dependent(gate, up, tpu=gated_silu_tpu, default=_gated_silu)
+    return platform_dependent(gate, up, tpu=gated_silu_tpu, default=_gated_silu)
 
 
 def _gated_silu(gate: jax.Array, up: jax.Array) -> jax.Array:

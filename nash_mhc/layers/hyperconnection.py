@@ -54,6 +54,7 @@ from einops import rearrange
 from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
+from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.ops.sinkhorn import sinkhorn
 from nash_mhc.ops.stream_collapse import PreWeights, collapse_streams, stream_stats, weighted_sum
 from nash_mhc.ops.stream_mix import SHARD_AXES, mix_blocks, stream_mix
@@ -200,7 +201,7 @@ class HyperConnection(eqx.Module):
         xla = functools.partial(collapse_streams, coefficients, pre, kernels=False)
         if mix_blocks(xs.shape[1], xs.shape[2]) is None:
             return xla(*operands)
-        return jax.lax.platform_dependent(*operands, tpu=functools.partial(collapse_streams, coefficients, pre),
+        return platform_dependent(*operands, tpu=functools.partial(collapse_streams, coefficients, pre),
                                           default=xla)
 
 
@@ -241,14 +242,14 @@ def mix_streams(xs: Float[Array, "n seq dim"], y: Float[Array, "seq dim"], h_res
     shard (the compiler's fusions of the slab form read every input slab once per output slab); elsewhere
     (CPU, GPU), and where no token tile divides T, the slab form in XLA with the kernels' backward rule
     (``kernels=False``). Chosen when the step is lowered
-    (``jax.lax.platform_dependent``); both compute the same float32 sums in the same order. ``defer``: the backward
+    (``dispatch.platform_dependent``); both compute the same float32 sums in the same order. ``defer``: the backward
     rule of :func:`nash_mhc.ops.stream_mix.stream_mix` with ``defer=True``, only for the pass-through X of the mhc
     collapse."""
     xla = functools.partial(stream_mix, kernels=False, defer=defer)
     if mix_blocks(xs.shape[1], xs.shape[2]) is None:
         return xla(xs, y, h_res, h_post)
     shard = functools.partial(_mix_shard, defer=defer)
-    return jax.lax.platform_dependent(xs, y, h_res, h_post, tpu=per_shard(shard, *SHARD_AXES), default=xla)
+    return platform_dependent(xs, y, h_res, h_post, tpu=per_shard(shard, *SHARD_AXES), default=xla)
 
 
 def _mix_shard(xs: jax.Array, y: jax.Array, h_res: jax.Array, h_post: jax.Array, defer: bool = False) -> jax.Array:

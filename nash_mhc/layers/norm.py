@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped
 
+from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.params import param
 
 
@@ -32,4 +33,4 @@ class RMSNorm(eqx.Module):
         xf = x.astype(jnp.float32)
         inv = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
         y = (xf * inv * self.weight).astype(x.dtype)
-        return jax.lax.platform_dependent(y, tpu=jax.lax.optimization_barrier, default=lambda y: y)
+        return platform_dependent(y, tpu=jax.lax.optimization_barrier, default=lambda y: y)

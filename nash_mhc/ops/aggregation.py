@@ -57,6 +57,7 @@ from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
 from nash_mhc.ops import aggregation_kernels
+from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.ops.positions_kernel import position_rows, run_positions
 from nash_mhc.sharding import per_shard
 
@@ -301,7 +302,7 @@ def _solve_positions(gram: jax.Array, prior: jax.Array, temperature: jax.Array, 
     if gram.dtype != jnp.float32 or position_rows(temperature.size) is None:
         return xla(gram, prior, temperature, available)
     kernel = functools.partial(_equilibrium_kernel, max_iters=max_iters, interpret=False)
-    return jax.lax.platform_dependent(gram, prior, temperature, available, tpu=kernel, default=xla)
+    return platform_dependent(gram, prior, temperature, available, tpu=kernel, default=xla)
 
 
 def _equilibrium_xla(gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array,

@@ -25,7 +25,7 @@ column tile), the layout flash attention's kernels give it. As rows it was copie
 kernel: 9.4 ms of the `1b` Nash-MHC step's 186.1 on v6e-8 (docs/tpu.md).
 
 Each ``pallas_call`` declares its cost (:func:`kernel_costs`). The kernels run on TPU only (the aggregation layer
-dispatches with ``jax.lax.platform_dependent``); ``interpret=True`` runs them in Pallas' interpreter (CPU tests).
+dispatches with ``dispatch.platform_dependent``); ``interpret=True`` runs them in Pallas' interpreter (CPU tests).
 Each kernel's body is also its XLA form (applied to whole [T, D] arrays), used where no tile divides a shard's
 (T, D); in that form the pullback computes in its coefficients' dtype (float64 in the gradient checks).
 """

@@ -1,5 +1,12 @@
 """A TPU form or an XLA form of one function, chosen when the step is lowered, with one backward rule for both.
 
+:func:`platform_dependent` is ``jax.lax.platform_dependent`` that traces only the branch of the platform the
+ambient mesh's devices are on (the train and eval steps run the model under their mesh, whose abstract mesh
+names the platform: a CPU host's step never traces a Pallas kernel, a step for a TPU topology only the kernels);
+with no mesh, or one whose platform does not settle the choice, every branch is traced and the choice is made when
+the program is lowered. Tracing the TPU branches of the `tiny` preset's train step on the CPU took about 3 of its
+8 s of tracing (docs/testing.md); on TPU, the branches not taken left conditionals in the compiled step (docs/tpu.md).
+
 Differentiated as it is, ``jax.lax.platform_dependent``'s conditional keeps the residuals of every branch: JAX's
 partial evaluation of a ``cond`` makes each branch return the union of the branches' residuals, zeros in place of
 the others'. Those zeros are made outside any mesh annotation, so unsharded: in the `1b` Nash-MHC step on v6e-8
@@ -11,12 +18,41 @@ backward pass, between the two forms' own VJPs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
+# The abstract mesh's platform names the lowering platform; a GPU's is "gpu", which platform_dependent splits into
+# "cuda" and "rocm", so it settles the choice only for functions with neither branch.
+_GPU_BRANCHES = ("cuda", "rocm")
+
+
+def _mesh_platform() -> str | None:
+    """The platform of the ambient mesh's devices ("cpu", "tpu", "gpu"), or None without a mesh or device."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return None if device is None else device.platform
+
+
+def platform_dependent(*args: Any, default: Callable[..., Any] | None = None, **per_platform: Callable[..., Any]
+                       ) -> Any:
+    """``jax.lax.platform_dependent(*args, default=default, **per_platform)``, tracing only the branch of the
+    ambient mesh's platform where it settles the choice (the same branch that lowering would pick); else every
+    branch, chosen when the program is lowered (``jax.export`` for several platforms, a model called without a
+    mesh)."""
+    platform = _mesh_platform()
+    if platform == "gpu" and not any(name in per_platform for name in _GPU_BRANCHES):
+        branch = default
+    elif platform in ("cpu", "tpu"):
+        branch = per_platform.get(platform, default)
+    else:
+        branch = None
+    if branch is not None:
+        return branch(*args)
+    return jax.lax.platform_dependent(*args, default=default, **per_platform)
+
 
 def platform_vjp(tpu: Callable[..., jax.Array], default: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """``f(*args) = jax.lax.platform_dependent(*args, tpu=tpu, default=default)``, differentiable in every
+    """``f(*args) = platform_dependent(*args, tpu=tpu, default=default)``, differentiable in every
     argument, whose backward pass is ``platform_dependent`` of the two forms' VJPs at the saved ``args``.
 
     For functions whose backward needs no more than their operands (linear maps such as the multiscale
@@ -31,16 +67,16 @@ def platform_vjp(tpu: Callable[..., jax.Array], default: Callable[..., jax.Array
 
     @jax.custom_vjp
     def f(*args: jax.Array) -> jax.Array:
-        return jax.lax.platform_dependent(*args, tpu=tpu, default=default)
+        return platform_dependent(*args, tpu=tpu, default=default)
 
     def forward(*args: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         return f(*args), args
 
     def backward(args: tuple[jax.Array, ...], cotangent: jax.Array) -> tuple[jax.Array, ...]:
-        return jax.lax.platform_dependent(*args, cotangent, tpu=pullback(tpu), default=pullback(default))
+        return platform_dependent(*args, cotangent, tpu=pullback(tpu), default=pullback(default))
 
     f.defvjp(forward, backward)
     return f
 
 
-__all__ = ["platform_vjp"]
+__all__ = ["platform_dependent", "platform_vjp"]

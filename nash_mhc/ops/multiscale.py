@@ -10,7 +10,7 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
-from nash_mhc.ops.dispatch import platform_vjp
+from nash_mhc.ops.dispatch import platform_dependent, platform_vjp
 from nash_mhc.ops.downsample_kernel import downsample_heads_kernel, downsample_kernel, row_tile
 from nash_mhc.ops.upsample_kernel import upsample_kernel, upsample_row_tile
 
@@ -156,7 +156,7 @@ def upsample_shifted(y: Float[Array, "*batch blocks dim"], seq_len: int, block: 
         tpu = functools.partial(_upsample_chunked, block=block)
     else:
         return xla(y), available
-    return jax.lax.platform_dependent(y, tpu=tpu, default=xla), available
+    return platform_dependent(y, tpu=tpu, default=xla), available
 
 
 def _upsample_chunked(y: jax.Array, block: int) -> jax.Array:

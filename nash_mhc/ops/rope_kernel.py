@@ -17,7 +17,7 @@ The grid walks row tiles of the positions (outer) and the sequences (inner), so 
 once and stays resident while every sequence passes under it. Each ``pallas_call`` declares its cost
 (:func:`kernel_cost`); the kernel runs on each device's sequences (:func:`nash_mhc.sharding.per_shard`: batch over
 data x fsdp, heads over tp, positions and head dim whole). On TPU only (:func:`nash_mhc.ops.rope.rope` dispatches
-with ``jax.lax.platform_dependent``); ``interpret=True`` runs it in Pallas' interpreter (CPU tests).
+with ``dispatch.platform_dependent``); ``interpret=True`` runs it in Pallas' interpreter (CPU tests).
 """
 
 from __future__ import annotations

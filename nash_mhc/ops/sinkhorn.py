@@ -10,6 +10,7 @@ from beartype import beartype
 from einops import rearrange
 from jaxtyping import Array, Float, jaxtyped
 
+from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.ops.sinkhorn_kernel import sinkhorn_tokens, token_block
 from nash_mhc.ops.sinkhorn_rounds import project, sinkhorn_round, walk_back_exp
 from nash_mhc.sharding import per_shard
@@ -38,7 +39,7 @@ def sinkhorn(logits: Float[Array, "*batch n n"], num_iters: int = 20) -> Float[A
         return xla(logits)
     names = ("tokens", "streams", "streams")
     kernel = per_shard(functools.partial(_sinkhorn_shard, num_iters=num_iters), (names,), names)
-    return jax.lax.platform_dependent(logits, tpu=kernel, default=xla)
+    return platform_dependent(logits, tpu=kernel, default=xla)
 
 
 def _sinkhorn_shard(logits: jax.Array, num_iters: int) -> jax.Array:

@@ -13,7 +13,7 @@ of the ``1b`` mhc + full step, compiler estimate). The kernels hold a tile of to
 
 The matrices are laid out [n, n, T] so a token tile [n, n, tile] keeps the tokens in the lanes. Each
 ``pallas_call`` declares its cost (:func:`kernel_costs`). Used on TPU only (:func:`nash_mhc.ops.sinkhorn.
-sinkhorn` dispatches with ``jax.lax.platform_dependent``); ``interpret=True`` runs the kernels in Pallas'
+sinkhorn` dispatches with ``dispatch.platform_dependent``); ``interpret=True`` runs the kernels in Pallas'
 interpreter (CPU tests).
 """
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.ops.stream_mix import mix_blocks
 from nash_mhc.ops.tpu_tiles import LANES, SUBLANES
 from nash_mhc.sharding import per_shard
@@ -136,7 +137,7 @@ def copies(h: jax.Array, n: int, dtype, *, interpret: bool = False) -> jax.Array
                     ("streams", *NAMES))
     if interpret:
         return tpu(h)
-    return jax.lax.platform_dependent(h, tpu=tpu, default=functools.partial(_broadcast, n=n, dtype=dtype))
+    return platform_dependent(h, tpu=tpu, default=functools.partial(_broadcast, n=n, dtype=dtype))
 
 
 def summed(x: jax.Array, dtype, *, interpret: bool = False) -> jax.Array:
@@ -145,7 +146,7 @@ def summed(x: jax.Array, dtype, *, interpret: bool = False) -> jax.Array:
     tpu = per_shard(functools.partial(_sum_shard, dtype=dtype, interpret=interpret), (("streams", *NAMES),), NAMES)
     if interpret:
         return tpu(x)
-    return jax.lax.platform_dependent(x, tpu=tpu, default=lambda x: slab_sum(x).astype(dtype))
+    return platform_dependent(x, tpu=tpu, default=lambda x: slab_sum(x).astype(dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -18,7 +18,7 @@ accumulating the two coefficient gradients over the D-column tiles of a token ti
 Each ``pallas_call`` declares its cost (:func:`kernel_costs`): the multiply-adds above and the HBM bytes of one
 read of every operand and one write of every result (a coefficient tile's index does not change along the inner
 axis, so Pallas fetches and writes it once per token tile). The kernels run on TPU only (:func:`nash_mhc.layers.
-hyperconnection.HyperConnection.streams_major` dispatches with ``jax.lax.platform_dependent``); ``interpret=True``
+hyperconnection.HyperConnection.streams_major` dispatches with ``dispatch.platform_dependent``); ``interpret=True``
 runs them in Pallas' interpreter (CPU tests). Elsewhere ``kernels=False`` computes the same sums and the same
 backward rule in XLA over the n slabs: JAX's autodiff of the slab form padded each stream's gradient to
 [n, T, D] and added the n pads, and on the CPU those pads were the largest item of the mix
