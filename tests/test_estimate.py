@@ -250,3 +250,6 @@ def test_compile_only_prints_the_estimated_step_time_tokens_per_second_and_mfu()
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("estimated step time")]
     assert "the TPU compiler's cost model, not a measurement" in line
     assert " ms, " in line and "tokens/s per chip" in line and "MFU " in line and "% of 918 TFLOP/s" in line
+    # the step traced under its TPU mesh holds only the TPU branches (nash_mhc.ops.dispatch.platform_dependent):
+    # no platform choice is left as a conditional (8 of them before, around the kernels' gradients)
+    assert "conditional" not in result.stdout
