@@ -4,6 +4,8 @@ backward pass, and no other form's residuals in between."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,12 +92,8 @@ def traced(mesh: AbstractMesh | None, names: tuple[str, ...]) -> tuple[list[str]
     def f(x):
         return platform_dependent(x, **branches)
 
-    x = jnp.ones((4,), jnp.float32)
-    if mesh is None:
-        jaxpr = jax.make_jaxpr(f)(x)
-    else:
-        with jax.sharding.use_abstract_mesh(mesh):
-            jaxpr = jax.make_jaxpr(f)(x)
+    with contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh):
+        jaxpr = jax.make_jaxpr(f)(jnp.ones((4,), jnp.float32))
     return seen, {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
 
 
@@ -119,4 +117,3 @@ def test_under_a_mesh_only_its_platforms_branch_is_traced(platform, names, want)
 def test_where_the_mesh_does_not_settle_it_every_branch_is_traced_and_lowering_chooses(mesh, names):
     seen, primitives = traced(mesh, names)
     assert sorted(seen) == sorted(names) and "cond" in primitives
-

@@ -29,8 +29,8 @@ def attend(q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch s
     (:func:`nash_mhc.ops.attention.cudnn_causal_attention`); both on each device's shard
     (:func:`nash_mhc.sharding.per_shard_attention`), so the [T, T] scores never reach HBM. Elsewhere (CPU, a
     float32 GPU step), and on TPU where no flash block divides T, the XLA path
-    (:func:`nash_mhc.ops.attention.causal_attention` per sequence). The choice is made when the step is
-    lowered (``dispatch.platform_dependent``), so one traced model serves every backend, except that the cuDNN
+    (:func:`nash_mhc.ops.attention.causal_attention` per sequence). The choice is made for the step's
+    platform (``dispatch.platform_dependent``), so one model serves every backend, except that the cuDNN
     branch exists only where the tracing host's default backend is such a GPU (a cuDNN call cannot be traced
     elsewhere: a step traced on a CPU host takes the XLA path on a GPU). All paths compute the same function
     with float32 scores and softmax; their rounding differs (block-wise online softmax).

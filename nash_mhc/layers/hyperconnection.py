@@ -201,8 +201,7 @@ class HyperConnection(eqx.Module):
         xla = functools.partial(collapse_streams, coefficients, pre, kernels=False)
         if mix_blocks(xs.shape[1], xs.shape[2]) is None:
             return xla(*operands)
-        return platform_dependent(*operands, tpu=functools.partial(collapse_streams, coefficients, pre),
-                                          default=xla)
+        return platform_dependent(*operands, tpu=functools.partial(collapse_streams, coefficients, pre), default=xla)
 
 
 def _mhc_coefficients(mode: str, n: int, dim: int, eps: float, sinkhorn_iters: int, raw: jax.Array, ss: jax.Array,
@@ -241,7 +240,7 @@ def mix_streams(xs: Float[Array, "n seq dim"], y: Float[Array, "seq dim"], h_res
     Lowered for TPU, the Pallas kernels of :func:`nash_mhc.ops.stream_mix.stream_mix` on each device's token
     shard (the compiler's fusions of the slab form read every input slab once per output slab); elsewhere
     (CPU, GPU), and where no token tile divides T, the slab form in XLA with the kernels' backward rule
-    (``kernels=False``). Chosen when the step is lowered
+    (``kernels=False``). Chosen for the step's platform
     (``dispatch.platform_dependent``); both compute the same float32 sums in the same order. ``defer``: the backward
     rule of :func:`nash_mhc.ops.stream_mix.stream_mix` with ``defer=True``, only for the pass-through X of the mhc
     collapse."""
