@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import equations
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from nash_mhc.ops.dispatch import platform_dependent, platform_vjp
+from nash_mhc.ops.dispatch import lowering_platform, platform_dependent, platform_of, platform_vjp
 
 
 def tpu_form(x, w):
@@ -54,17 +55,8 @@ def test_the_forward_choice_returns_the_output_alone():
     x, w = problem()
 
     def conds(f):
-        jaxpr = jax.make_jaxpr(lambda x, w: jax.vjp(f, x, w))(x, w).jaxpr
-        found = []
-
-        def walk(jaxpr):
-            for eqn in jaxpr.eqns:
-                if eqn.primitive.name == "cond":
-                    found.append(len(eqn.outvars))
-                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                    walk(sub)
-        walk(jaxpr)
-        return found
+        jaxpr = jax.make_jaxpr(lambda x, w: jax.vjp(f, x, w))(x, w)
+        return [len(eqn.outvars) for eqn in equations(jaxpr) if eqn.primitive.name == "cond"]
 
     assert conds(platform_vjp(tpu_form, default_form)) == [1]
     assert max(conds(lambda x, w: jax.lax.platform_dependent(x, w, tpu=tpu_form, default=default_form))) > 1
@@ -76,9 +68,11 @@ def abstract_mesh(platform: str | None) -> AbstractMesh:
     return AbstractMesh((2,), ("data",), abstract_device=device)
 
 
-def traced(mesh: AbstractMesh | None, names: tuple[str, ...]) -> tuple[list[str], set[str]]:
-    """(the branches platform_dependent traced under ``mesh`` (None: no mesh), in order; the primitives of the
-    jaxpr), with one branch per name of ``names`` ("default" the default branch), each tanh(x) * k for its k."""
+def traced(mesh: AbstractMesh | None, names: tuple[str, ...], platform: str | None = None
+           ) -> tuple[list[str], set[str]]:
+    """(the branches platform_dependent traced under ``mesh`` (None: no mesh) and ``lowering_platform(platform)``,
+    in order; the primitives of the jaxpr), with one branch per name of ``names`` ("default" the default branch),
+    each tanh(x) * k for its k."""
     seen = []
 
     def branch(name: str, k: float):
@@ -92,7 +86,8 @@ def traced(mesh: AbstractMesh | None, names: tuple[str, ...]) -> tuple[list[str]
     def f(x):
         return platform_dependent(x, **branches)
 
-    with contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh):
+    with contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh), \
+            lowering_platform(platform):
         jaxpr = jax.make_jaxpr(f)(jnp.ones((4,), jnp.float32))
     return seen, {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
 
@@ -117,3 +112,26 @@ def test_under_a_mesh_only_its_platforms_branch_is_traced(platform, names, want)
 def test_where_the_mesh_does_not_settle_it_every_branch_is_traced_and_lowering_chooses(mesh, names):
     seen, primitives = traced(mesh, names)
     assert sorted(seen) == sorted(names) and "cond" in primitives
+
+
+@pytest.mark.parametrize(("mesh", "platform", "names", "want"), [
+    (None, "cpu", ("tpu", "default"), ["default"]),
+    (None, "tpu", ("tpu", "default"), ["tpu"]),
+    (None, "gpu", ("tpu", "default"), ["default"]),
+    (abstract_mesh(None), "cpu", ("tpu", "default"), ["default"]),  # a mesh without a device names no platform
+    (abstract_mesh("tpu"), "cpu", ("tpu", "default"), ["tpu"]),  # the mesh's platform comes first
+])
+def test_lowering_platform_settles_the_choice_where_no_mesh_does(mesh, platform, names, want):
+    seen, primitives = traced(mesh, names, platform)
+    assert seen == want and "cond" not in primitives and "platform_index" not in primitives
+    seen, primitives = traced(mesh, names, None)  # outside it, as before
+    assert sorted(seen) == (sorted(names) if mesh is None or mesh.abstract_device is None else want)
+
+
+def test_platform_of_names_the_devices_of_the_first_concrete_array():
+    x = jnp.ones((3,))
+    assert platform_of({"a": [np.ones(2), x]}) == jax.devices()[0].platform == "cpu"
+    assert platform_of({"a": np.ones(2)}) is None and platform_of(()) is None
+    seen = []
+    jax.make_jaxpr(lambda y: seen.append(platform_of(y)) or y)(x)
+    assert seen == [None]  # a tracer is no placement

@@ -21,6 +21,7 @@ from helpers import mode_case, perturbed, write_checkpoint
 import nash_mhc
 from nash_mhc import LanguageModel, ModelConfig, TrainConfig
 from nash_mhc.decoding import Sampling, decode_step, init_cache, num_decode_traces, prefill, sample_token
+from nash_mhc.ops.dispatch import lowering_platform
 from nash_mhc.sharding import make_mesh
 from nash_mhc.training import init_train_state
 
@@ -39,8 +40,12 @@ TOLERANCE = 1e-5
 
 @eqx.filter_jit
 def full_and_cached(model: LanguageModel, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(full-forward logits, logits of feeding the tokens one at a time through the cache)."""
+    """(full-forward logits, logits of feeding the tokens one at a time through the cache), the CPU's program."""
+    with lowering_platform("cpu"):  # only the branches the CPU lowers are traced (nash_mhc.ops.dispatch)
+        return _full_and_cached(model, tokens)
 
+
+def _full_and_cached(model: LanguageModel, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     def feed(cache, xs):
         logits, cache = decode_step(model, cache, *xs)
         return cache, logits
@@ -67,6 +72,12 @@ def test_cached_decoding_matches_the_full_forward_at_every_position(residual, at
 def prefill_then_step(model: LanguageModel, tokens: jax.Array, length: jax.Array
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """prefill(tokens[:length]) from a fixed-size padded buffer, then one decode_step with tokens[length]."""
+    with lowering_platform("cpu"):
+        return _prefill_then_step(model, tokens, length)
+
+
+def _prefill_then_step(model: LanguageModel, tokens: jax.Array, length: jax.Array
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     max_len = model.config.seq_len
     padded = jnp.zeros((max_len,), tokens.dtype).at[:tokens.shape[0]].set(tokens)
     after_prompt, cache = prefill(model, padded, init_cache(model, max_len), length)
@@ -119,6 +130,24 @@ def test_sampling_is_reproducible_and_the_same_with_and_without_cache(model):
     assert not np.array_equal(first[0], first[1]), "samples drawn together must differ"
     other = nash_mhc.generate_tokens(model, prompt, max_new_tokens=12, key=8, num_samples=2, **SAMPLED)
     assert not np.array_equal(first, other)
+
+
+@pytest.mark.slow  # multi-second, not an invariant of the results: the full run (CI) keeps it
+def test_generation_traces_only_the_branches_of_its_arrays_platform(monkeypatch):
+    """The model's kernel-or-XLA choices (nash_mhc.ops.dispatch) are made for the platform of the model's arrays
+    when generation traces its steps, so no choice is left to the lowering: jax.lax.platform_dependent (which
+    traces every branch, the Pallas kernels' too) is never called."""
+    calls = []
+    real = jax.lax.platform_dependent
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *a, **k: calls.append(sorted(k)) or real(*a, **k))
+    config = ModelConfig.preset("tiny", residual="plain", attention="full", num_layers=1, seq_len=20)  # shapes no
+    # other test compiles, so the steps are traced here; the choices are made by one function for every mode
+    model = LanguageModel(config, key=jax.random.key(0))
+    before = num_decode_traces()
+    assert nash_mhc.generate_tokens(model, [5, 6, 7], max_new_tokens=1, **GREEDY).shape == (1, 1)
+    assert num_decode_traces() - before == 1 and calls == []
+    jax.make_jaxpr(lambda x: model(x).logits)(jnp.zeros((20,), jnp.int32))  # a model call outside generation
+    assert ["default", "tpu"] in calls  # still leaves the choice to the lowering
 
 
 @pytest.mark.slow  # multi-second, not an invariant: the full run (CI) keeps it

@@ -2,10 +2,12 @@
 
 :func:`platform_dependent` is ``jax.lax.platform_dependent`` that traces only the branch of the platform the
 ambient mesh's devices are on (the train and eval steps run the model under their mesh, whose abstract mesh
-names the platform: a CPU host's step never traces a Pallas kernel, a step for a TPU topology only the kernels);
-with no mesh, or one whose platform does not settle the choice, every branch is traced and the choice is made when
-the program is lowered. Tracing the TPU branches of the `tiny` preset's train step on the CPU took about 3 of its
-8 s of tracing (docs/testing.md); on TPU, the branches not taken left conditionals in the compiled step (docs/tpu.md).
+names the platform: a CPU host's step never traces a Pallas kernel, a step for a TPU topology only the kernels),
+or, with no mesh, of :func:`lowering_platform`'s platform (generation's steps, which take the platform of the
+model's arrays as a static argument); with neither, or a platform that does not settle the choice, every branch is
+traced and the choice is made when the program is lowered. Tracing the TPU branches of the `tiny` preset's train
+step on the CPU took about 3 of its 8 s of tracing (docs/testing.md); on TPU, the branches not taken left
+conditionals in the compiled step (docs/tpu.md).
 
 Differentiated as it is, ``jax.lax.platform_dependent``'s conditional keeps the residuals of every branch: JAX's
 partial evaluation of a ``cond`` makes each branch return the union of the branches' residuals, zeros in place of
@@ -17,7 +19,9 @@ backward pass, between the two forms' own VJPs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -25,6 +29,7 @@ import jax
 # The abstract mesh's platform names the lowering platform; a GPU's is "gpu", which platform_dependent splits into
 # "cuda" and "rocm", so it settles the choice only for functions with neither branch.
 _GPU_BRANCHES = ("cuda", "rocm")
+_LOWERING_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("lowering_platform", default=None)
 
 
 def _mesh_platform() -> str | None:
@@ -33,13 +38,34 @@ def _mesh_platform() -> str | None:
     return None if device is None else device.platform
 
 
+@contextlib.contextmanager
+def lowering_platform(platform: str | None) -> Iterator[None]:
+    """Within it, :func:`platform_dependent` takes ``platform``'s branch ("cpu", "tpu", "gpu") where no mesh names
+    one (None: every branch, as outside). Only for tracing a jitted function that takes ``platform`` as a static
+    argument, so that its trace cache tells the platforms apart (:func:`platform_of` its arrays)."""
+    token = _LOWERING_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _LOWERING_PLATFORM.reset(token)
+
+
+def platform_of(tree: Any) -> str | None:
+    """The platform of the devices holding the first array of ``tree`` (where a jit of it runs), or None when it
+    holds no concrete array (tracers, NumPy arrays, no arrays)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            return next(iter(leaf.devices())).platform
+    return None
+
+
 def platform_dependent(*args: Any, default: Callable[..., Any] | None = None, **per_platform: Callable[..., Any]
                        ) -> Any:
     """``jax.lax.platform_dependent(*args, default=default, **per_platform)``, tracing only the branch of the
-    ambient mesh's platform where it settles the choice (the same branch that lowering would pick); else every
-    branch, chosen when the program is lowered (``jax.export`` for several platforms, a model called without a
-    mesh)."""
-    platform = _mesh_platform()
+    ambient mesh's platform (or, with no mesh, :func:`lowering_platform`'s) where it settles the choice (the same
+    branch that lowering would pick); else every branch, chosen when the program is lowered (``jax.export`` for
+    several platforms, a model called without a mesh)."""
+    platform = _mesh_platform() or _LOWERING_PLATFORM.get()
     if platform == "gpu" and not any(name in per_platform for name in _GPU_BRANCHES):
         branch = default
     elif platform in ("cpu", "tpu"):
@@ -79,4 +105,4 @@ def platform_vjp(tpu: Callable[..., jax.Array], default: Callable[..., jax.Array
     return f
 
 
-__all__ = ["platform_dependent", "platform_vjp"]
+__all__ = ["lowering_platform", "platform_dependent", "platform_of", "platform_vjp"]
