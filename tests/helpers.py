@@ -76,24 +76,26 @@ def run_steps(state: Any, batches: list[Any]) -> tuple[Any, list[float]]:
     return state, losses
 
 
+def equations(jaxpr: Any) -> list[Any]:
+    """Every equation of a (closed) jaxpr and of the jaxprs nested in its equations (scan, cond, remat,
+    custom_jvp/vjp, pjit, shard_map bodies), each equation before those nested in it."""
+    found = []
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        found.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += equations(sub)
+    return found
+
+
 def declared(fn: Any, *args: Any, live: bool = False) -> list[Any]:
     """The CostEstimate of every pallas_call in fn's jaxpr (sub-jaxprs included), in order; with ``live`` only
     those whose results are read (after dead-code elimination, as the compiler runs it: the VJP in the backward
     rule of ``nash_mhc.ops.dispatch.platform_vjp`` traces a forward kernel that nothing reads)."""
-    found = []
-
-    def walk(jaxpr: Any) -> None:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                found.append(eqn.params["cost_estimate"])
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     if live:
         from jax._src.interpreters.partial_eval import dce_jaxpr  # no public API for it
         jaxpr = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
-    walk(jaxpr)
-    return found
+    return [eqn.params["cost_estimate"] for eqn in equations(jaxpr) if eqn.primitive.name == "pallas_call"]
 
 
 def moved(grid: tuple[int, ...], operands: list[tuple[int, Any]]) -> int:

@@ -13,7 +13,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import perturbed, run_steps, write_checkpoint
+from helpers import equations, perturbed, run_steps, write_checkpoint
 
 from nash_mhc import LanguageModel, ModelConfig, TrainConfig, make_mesh
 from nash_mhc.decoding import decode_step, init_cache
@@ -26,23 +26,7 @@ BF16_UNIT_ROUNDOFF = 2.0**-9  # 8 significant bits
 # ------------------------------------------------------------------------------------------------ jaxpr
 def dot_generals(jaxpr: jax.extend.core.Jaxpr) -> list[jax.extend.core.JaxprEqn]:
     """Every dot_general, including those inside scan, checkpoint (remat), custom_jvp/vjp and pjit bodies."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += dot_generals(sub)
-    return found
-
-
-def equations(jaxpr: jax.extend.core.Jaxpr) -> list[jax.extend.core.JaxprEqn]:
-    """Every equation, including those inside scan, checkpoint, custom_jvp/vjp and pjit bodies."""
-    found = []
-    for eqn in jaxpr.eqns:
-        found.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += equations(sub)
-    return found
+    return [eqn for eqn in equations(jaxpr) if eqn.primitive.name == "dot_general"]
 
 
 # Sizes chosen so that no axis other than the streams (n = 5) and the scales (L = 3) has size 5 or 3: batch 1,

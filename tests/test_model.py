@@ -10,7 +10,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import perturbed
+from helpers import equations, perturbed
 
 from nash_mhc import LanguageModel, ModelConfig
 from nash_mhc.model import Block
@@ -267,12 +267,7 @@ def test_wrong_token_rank_or_dtype_is_a_type_error_naming_the_mismatch():
 
 
 def count_equations(jaxpr) -> int:
-    total = 0
-    for eqn in jaxpr.eqns:
-        total += 1
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            total += count_equations(sub)
-    return total
+    return len(equations(jaxpr))
 
 
 def layer_scans(jaxpr, num_layers: int) -> int:

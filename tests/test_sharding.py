@@ -13,6 +13,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import equations
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -291,14 +292,8 @@ def test_reshard_state_moves_a_state_between_meshes():
 # ------------------------------------------------------------------------------------ activations
 def sharding_constraints(jaxpr: object) -> list[tuple[tuple[int, ...], P]]:
     """(shape, spec) of every ``sharding_constraint`` in a (closed) jaxpr and the jaxprs nested in it."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "sharding_constraint":
-            found.append((tuple(eqn.outvars[0].aval.shape), eqn.params["sharding"].spec))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found.extend(sharding_constraints(sub))
-    return found
+    return [(tuple(eqn.outvars[0].aval.shape), eqn.params["sharding"].spec) for eqn in equations(jaxpr)
+            if eqn.primitive.name == "sharding_constraint"]
 
 
 def test_model_pins_the_batch_dimension_of_its_matmul_outputs_under_a_mesh():

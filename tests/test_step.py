@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import equations
 
 from nash_mhc import LanguageModel, ModelConfig
 from nash_mhc.sharding import make_mesh, named_shardings, path_str, shard_batch
@@ -318,11 +319,7 @@ def collectives(jaxpr: jax.extend.core.Jaxpr, inside_shard_map: bool = False) ->
 
 def primitives(jaxpr: jax.extend.core.Jaxpr) -> set[str]:
     """The names of every primitive in ``jaxpr``, sub-jaxprs included."""
-    found = {eqn.primitive.name for eqn in jaxpr.eqns}
-    for eqn in jaxpr.eqns:
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found |= primitives(sub)
-    return found
+    return {eqn.primitive.name for eqn in equations(jaxpr)}
 
 
 def test_step_contains_shard_map_collectives_and_no_tpu_branch(runs):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
-from helpers import declared, moved
+from helpers import declared, equations, moved
 
 from nash_mhc.layers.hyperconnection import HyperConnection, _mhc_pre_weights, _pre_operand
 from nash_mhc.ops.stream_collapse import PreWeights, _row_tile, collapse_streams, kernel_costs
@@ -127,20 +127,14 @@ def test_kernels_that_accumulate_along_their_inner_grid_axis_declare_it_arbitrar
     """dH_pre sums over column tiles, dx sums dW over token tiles: a "parallel" inner axis would let a
     megacore chip (v4, v5p) split the sum between its cores, which the interpreter cannot show."""
     hc, x, _, _ = connection("mhc")
-    semantics = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                semantics.append(eqn.params["compiler_params"].dimension_semantics)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
 
     def loss(x, w):
         _, u, h_post, h_res = collapse_streams(hc._coefficient_function(), pre_weights(hc), x, w,
                                                hc._coefficient_params(), blocks=BLOCKS)
         return u.sum() + h_post.sum() + h_res.sum()
-    walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, hc._weighted_phi()).jaxpr)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, hc._weighted_phi())
+    semantics = [eqn.params["compiler_params"].dimension_semantics for eqn in equations(jaxpr)
+                 if eqn.primitive.name == "pallas_call"]
     # collapse (whole rows: no sum along the grid), dH_pre, dx
     assert semantics == [("parallel",), ("parallel", "arbitrary"), ("parallel", "arbitrary")]
 
