@@ -282,15 +282,8 @@ def num_decode_traces() -> int:
 
 @eqx.filter_jit
 def _start(model: LanguageModel, prompt: Int[Array, "length"], length: Int[Array, ""], key: PRNGKeyArray,
-           num_samples: int, use_cache: bool, platform: str | None) -> _Carry:
-    """Consume the (padded) prompt; the next-token logits and state, repeated for ``num_samples``. ``platform``
-    (static): where the model's arrays are, whose kernel-or-XLA branches alone are traced."""
-    with lowering_platform(platform):
-        return _start_traced(model, prompt, length, key, num_samples, use_cache)
-
-
-def _start_traced(model: LanguageModel, prompt: Int[Array, "length"], length: Int[Array, ""], key: PRNGKeyArray,
-                  num_samples: int, use_cache: bool) -> _Carry:
+           num_samples: int, use_cache: bool) -> _Carry:
+    """Consume the (padded) prompt; the next-token logits and state, repeated for ``num_samples``."""
     if use_cache:
         logits, state = prefill(model, prompt, init_cache(model, prompt.shape[0]), length)
         state = jax.tree.map(lambda a: jnp.broadcast_to(a[None], (num_samples, *a.shape)), state)
@@ -302,17 +295,10 @@ def _start_traced(model: LanguageModel, prompt: Int[Array, "length"], length: In
 
 
 @eqx.filter_jit(donate="all-except-first")
-def _advance(model: LanguageModel, carry: _Carry, sampling: Sampling, use_cache: bool, platform: str | None
+def _advance(model: LanguageModel, carry: _Carry, sampling: Sampling, use_cache: bool
              ) -> tuple[Int[Array, "batch"], _Carry]:
-    """Sample each sample's next token, then feed it at ``carry.position`` to get the following logits (``platform``
-    as in :func:`_start`)."""
+    """Sample each sample's next token, then feed it at ``carry.position`` to get the following logits."""
     _TRACES["advance"] += 1
-    with lowering_platform(platform):
-        return _advance_traced(model, carry, sampling, use_cache)
-
-
-def _advance_traced(model: LanguageModel, carry: _Carry, sampling: Sampling, use_cache: bool
-                    ) -> tuple[Int[Array, "batch"], _Carry]:
     position = carry.position
     num_samples = carry.logits.shape[0]
     keys = jax.random.split(jax.random.fold_in(carry.key, position), num_samples)
@@ -363,16 +349,18 @@ def generate_tokens(model: LanguageModel, prompt: Sequence[int | np.integer] | n
         key = jax.random.key(key)
     padded = np.zeros((max_len,), np.int32)
     padded[:ids.size] = ids
-    platform = platform_of(model)  # the platform whose branches alone are traced
-    carry = _start(model, jnp.asarray(padded), jnp.asarray(ids.size, jnp.int32), key, num_samples, use_cache,
-                   platform)
+    # The steps trace only the kernel-or-XLA branches of the platform they run on (nash_mhc.ops.dispatch).
+    platform = platform_of((model, key))
+    with lowering_platform(platform):
+        carry = _start(model, jnp.asarray(padded), jnp.asarray(ids.size, jnp.int32), key, num_samples, use_cache)
+        pending = _advance(model, carry, sampling, use_cache) if max_new_tokens else None
     steps: list[np.ndarray] = []
     done = np.zeros((num_samples,), bool)
-    pending = _advance(model, carry, sampling, use_cache, platform) if max_new_tokens else None
     for step in range(max_new_tokens):
         tokens, carry = pending
         # Dispatch the next step before reading this one's ids: the device computes while the host streams.
-        pending = _advance(model, carry, sampling, use_cache, platform) if step + 1 < max_new_tokens else None
+        with lowering_platform(platform):
+            pending = _advance(model, carry, sampling, use_cache) if step + 1 < max_new_tokens else None
         new = np.asarray(tokens)
         if eos_id is not None:
             new = np.where(done, eos_id, new).astype(np.int32)

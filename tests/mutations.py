@@ -100,7 +100,7 @@ MUTATIONS = {
                                                             [("    if branch is not None:\n", "    if False:\n")],
                                                             ["tests/test_dispatch.py"]),
     "platform_dependent ignores lowering_platform": ("nash_mhc/ops/dispatch.py",
-                                                      [("platform = _mesh_platform() or _LOWERING_PLATFORM.get()",
+                                                      [("platform = _mesh_platform() or _LOWERING_PLATFORM.value",
                                                         "platform = _mesh_platform()")],
                                                       ["tests/test_dispatch.py"]),
     "platform_dependent takes the default on a TPU mesh": ("nash_mhc/ops/dispatch.py",

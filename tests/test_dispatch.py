@@ -70,9 +70,9 @@ def abstract_mesh(platform: str | None) -> AbstractMesh:
 
 def traced(mesh: AbstractMesh | None, names: tuple[str, ...], platform: str | None = None
            ) -> tuple[list[str], set[str]]:
-    """(the branches platform_dependent traced under ``mesh`` (None: no mesh) and ``lowering_platform(platform)``,
-    in order; the primitives of the jaxpr), with one branch per name of ``names`` ("default" the default branch),
-    each tanh(x) * k for its k."""
+    """(the branches platform_dependent traced under ``mesh`` (None: no mesh) and ``lowering_platform(platform)``
+    (None: none), in order; the primitives of the jaxpr), with one branch per name of ``names`` ("default" the
+    default branch), each tanh(x) * k for its k."""
     seen = []
 
     def branch(name: str, k: float):
@@ -87,7 +87,7 @@ def traced(mesh: AbstractMesh | None, names: tuple[str, ...], platform: str | No
         return platform_dependent(x, **branches)
 
     with contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh), \
-            lowering_platform(platform):
+            contextlib.nullcontext() if platform is None else lowering_platform(platform):
         jaxpr = jax.make_jaxpr(f)(jnp.ones((4,), jnp.float32))
     return seen, {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
 
@@ -128,10 +128,37 @@ def test_lowering_platform_settles_the_choice_where_no_mesh_does(mesh, platform,
     assert sorted(seen) == (sorted(names) if mesh is None or mesh.abstract_device is None else want)
 
 
-def test_platform_of_names_the_devices_of_the_first_concrete_array():
-    x = jnp.ones((3,))
-    assert platform_of({"a": [np.ones(2), x]}) == jax.devices()[0].platform == "cpu"
-    assert platform_of({"a": np.ones(2)}) is None and platform_of(()) is None
+def test_lowering_platform_holds_only_within_its_block_and_keys_jaxs_trace_caches():
+    """Outside its block every branch is traced again; a module-level jax.checkpoint caches its traced jaxpr, and
+    a trace made under one platform is not reused under another or under none (the same platform reuses it)."""
+    with lowering_platform("tpu"):
+        assert traced(None, ("tpu", "default"))[0] == ["tpu"]
+    assert sorted(traced(None, ("tpu", "default"))[0]) == ["default", "tpu"]
     seen = []
-    jax.make_jaxpr(lambda y: seen.append(platform_of(y)) or y)(x)
-    assert seen == [None]  # a tracer is no placement
+
+    @jax.checkpoint
+    def f(x):
+        return platform_dependent(x, tpu=lambda x: seen.append("tpu") or jnp.exp(x),
+                                  default=lambda x: seen.append("default") or jnp.tanh(x))
+
+    def traces(platform):
+        seen.clear()
+        with lowering_platform(platform):
+            jax.make_jaxpr(f)(jnp.ones((3,)))
+        return sorted(seen)
+
+    assert [traces(p) for p in ("cpu", "tpu", None, "cpu")] == [["default"], ["tpu"], ["default", "tpu"], []]
+
+
+def test_platform_of_names_where_a_jit_of_the_arrays_runs():
+    devices = jax.devices()
+    x = jnp.ones((8,))  # uncommitted: a jit runs it on the default device
+    assert platform_of({"a": [np.ones(2), x]}) == platform_of(np.ones(2)) == jax.default_backend()
+    with jax.default_device(devices[3]):
+        assert platform_of(x) == devices[3].platform
+    spread = jax.device_put(x, jax.sharding.NamedSharding(jax.make_mesh((len(devices),), ("data",)),
+                                                          jax.sharding.PartitionSpec("data")))
+    assert spread.committed and platform_of((x, spread)) == devices[0].platform
+    seen = []
+    jax.make_jaxpr(lambda y: seen.append(platform_of((x, y))) or y)(x)
+    assert seen == [None]  # a tracer: where it runs is not known at trace time

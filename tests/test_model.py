@@ -6,7 +6,6 @@ import functools
 
 import equinox as eqx
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -9,7 +9,6 @@ import math
 
 import equinox as eqx
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest

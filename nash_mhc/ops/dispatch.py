@@ -3,8 +3,8 @@
 :func:`platform_dependent` is ``jax.lax.platform_dependent`` that traces only the branch of the platform the
 ambient mesh's devices are on (the train and eval steps run the model under their mesh, whose abstract mesh
 names the platform: a CPU host's step never traces a Pallas kernel, a step for a TPU topology only the kernels),
-or, with no mesh, of :func:`lowering_platform`'s platform (generation's steps, which take the platform of the
-model's arrays as a static argument); with neither, or a platform that does not settle the choice, every branch is
+or, where no mesh names a platform, of :func:`lowering_platform`'s (generation runs its steps under the platform
+of the model's arrays); with neither, or a platform that does not settle the choice, every branch is
 traced and the choice is made when the program is lowered. Tracing the TPU branches of the `tiny` preset's train
 step on the CPU took about 3 of its 8 s of tracing (docs/testing.md); on TPU, the branches not taken left
 conditionals in the compiled step (docs/tpu.md).
@@ -19,9 +19,7 @@ backward pass, between the two forms' own VJPs.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,7 +27,10 @@ import jax
 # The abstract mesh's platform names the lowering platform; a GPU's is "gpu", which platform_dependent splits into
 # "cuda" and "rocm", so it settles the choice only for functions with neither branch.
 _GPU_BRANCHES = ("cuda", "rocm")
-_LOWERING_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("lowering_platform", default=None)
+# lowering_platform's value: a context of JAX's jit and trace caches (a trace made under one platform is never
+# reused under another, nor under none, e.g. a module-level jax.checkpoint's cached jaxpr).
+_LOWERING_PLATFORM = jax.make_user_context(None)
+_PLATFORM_OF_BACKEND = {"cuda": "gpu", "rocm": "gpu"}
 
 
 def _mesh_platform() -> str | None:
@@ -38,34 +39,36 @@ def _mesh_platform() -> str | None:
     return None if device is None else device.platform
 
 
-@contextlib.contextmanager
-def lowering_platform(platform: str | None) -> Iterator[None]:
-    """Within it, :func:`platform_dependent` takes ``platform``'s branch ("cpu", "tpu", "gpu") where no mesh names
-    one (None: every branch, as outside). Only for tracing a jitted function that takes ``platform`` as a static
-    argument, so that its trace cache tells the platforms apart (:func:`platform_of` its arrays)."""
-    token = _LOWERING_PLATFORM.set(platform)
-    try:
-        yield
-    finally:
-        _LOWERING_PLATFORM.reset(token)
+def lowering_platform(platform: str | None) -> Any:
+    """A context manager: within it, :func:`platform_dependent` takes ``platform``'s branch ("cpu", "tpu", "gpu")
+    where no mesh names a platform (None: every branch, as outside). Part of the key of JAX's jit and trace caches,
+    like the mesh. For programs that run where :func:`platform_of` says (``jax.export`` for another platform must
+    not run under it)."""
+    return _LOWERING_PLATFORM(platform)
 
 
 def platform_of(tree: Any) -> str | None:
-    """The platform of the devices holding the first array of ``tree`` (where a jit of it runs), or None when it
-    holds no concrete array (tracers, NumPy arrays, no arrays)."""
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-            return next(iter(leaf.devices())).platform
-    return None
+    """The platform a jit of ``tree``'s arrays runs on: its committed arrays' (None if on several platforms), else
+    the default device's (``jax.default_device``, else the default backend); None if ``tree`` holds a tracer."""
+    arrays = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in arrays):
+        return None
+    committed = {device.platform for leaf in arrays if getattr(leaf, "committed", False) for device in leaf.devices()}
+    if committed:
+        return committed.pop() if len(committed) == 1 else None
+    default = jax.config.jax_default_device
+    if default is None:
+        return jax.default_backend()
+    return _PLATFORM_OF_BACKEND.get(default, default) if isinstance(default, str) else default.platform
 
 
 def platform_dependent(*args: Any, default: Callable[..., Any] | None = None, **per_platform: Callable[..., Any]
                        ) -> Any:
     """``jax.lax.platform_dependent(*args, default=default, **per_platform)``, tracing only the branch of the
-    ambient mesh's platform (or, with no mesh, :func:`lowering_platform`'s) where it settles the choice (the same
-    branch that lowering would pick); else every branch, chosen when the program is lowered (``jax.export`` for
-    several platforms, a model called without a mesh)."""
-    platform = _mesh_platform() or _LOWERING_PLATFORM.get()
+    ambient mesh's platform (or, where no mesh names one, :func:`lowering_platform`'s) where it settles the choice
+    (the same branch that lowering would pick); else every branch, chosen when the program is lowered
+    (``jax.export`` for several platforms, a model called by a bare jit)."""
+    platform = _mesh_platform() or _LOWERING_PLATFORM.value
     if platform == "gpu" and not any(name in per_platform for name in _GPU_BRANCHES):
         branch = default
     elif platform in ("cpu", "tpu"):
