@@ -4,7 +4,7 @@
 ambient mesh's devices are on (the train and eval steps run the model under their mesh, whose abstract mesh
 names the platform: a CPU host's step never traces a Pallas kernel, a step for a TPU topology only the kernels),
 or, where no mesh names a platform, of :func:`lowering_platform`'s (generation runs its steps under the platform
-of the model's arrays); with neither, or a platform that does not settle the choice, every branch is
+where a jit of the model's arrays runs); with neither, or a platform that does not settle the choice, every branch is
 traced and the choice is made when the program is lowered. Tracing the TPU branches of the `tiny` preset's train
 step on the CPU took about 3 of its 8 s of tracing (docs/testing.md); on TPU, the branches not taken left
 conditionals in the compiled step (docs/tpu.md).
@@ -30,7 +30,6 @@ _GPU_BRANCHES = ("cuda", "rocm")
 # lowering_platform's value: a context of JAX's jit and trace caches (a trace made under one platform is never
 # reused under another, nor under none, e.g. a module-level jax.checkpoint's cached jaxpr).
 _LOWERING_PLATFORM = jax.make_user_context(None)
-_PLATFORM_OF_BACKEND = {"cuda": "gpu", "rocm": "gpu"}
 
 
 def _mesh_platform() -> str | None:
@@ -59,7 +58,7 @@ def platform_of(tree: Any) -> str | None:
     default = jax.config.jax_default_device
     if default is None:
         return jax.default_backend()
-    return _PLATFORM_OF_BACKEND.get(default, default) if isinstance(default, str) else default.platform
+    return default if isinstance(default, str) else default.platform  # a str is "cpu", "gpu" or "tpu"
 
 
 def platform_dependent(*args: Any, default: Callable[..., Any] | None = None, **per_platform: Callable[..., Any]
