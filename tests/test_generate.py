@@ -21,7 +21,6 @@ from helpers import mode_case, perturbed, write_checkpoint
 import nash_mhc
 from nash_mhc import LanguageModel, ModelConfig, TrainConfig
 from nash_mhc.decoding import Sampling, decode_step, init_cache, num_decode_traces, prefill, sample_token
-from nash_mhc.ops.dispatch import lowering_platform
 from nash_mhc.sharding import make_mesh
 from nash_mhc.training import init_train_state
 
@@ -40,12 +39,8 @@ TOLERANCE = 1e-5
 
 @eqx.filter_jit
 def full_and_cached(model: LanguageModel, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(full-forward logits, logits of feeding the tokens one at a time through the cache), the CPU's program."""
-    with lowering_platform("cpu"):  # only the branches the CPU lowers are traced (nash_mhc.ops.dispatch)
-        return _full_and_cached(model, tokens)
+    """(full-forward logits, logits of feeding the tokens one at a time through the cache)."""
 
-
-def _full_and_cached(model: LanguageModel, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     def feed(cache, xs):
         logits, cache = decode_step(model, cache, *xs)
         return cache, logits
@@ -72,12 +67,6 @@ def test_cached_decoding_matches_the_full_forward_at_every_position(residual, at
 def prefill_then_step(model: LanguageModel, tokens: jax.Array, length: jax.Array
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """prefill(tokens[:length]) from a fixed-size padded buffer, then one decode_step with tokens[length]."""
-    with lowering_platform("cpu"):
-        return _prefill_then_step(model, tokens, length)
-
-
-def _prefill_then_step(model: LanguageModel, tokens: jax.Array, length: jax.Array
-                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     max_len = model.config.seq_len
     padded = jnp.zeros((max_len,), tokens.dtype).at[:tokens.shape[0]].set(tokens)
     after_prompt, cache = prefill(model, padded, init_cache(model, max_len), length)

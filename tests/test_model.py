@@ -265,10 +265,6 @@ def test_wrong_token_rank_or_dtype_is_a_type_error_naming_the_mismatch():
     assert "Int" in str(floats.value) or "int" in str(floats.value)
 
 
-def count_equations(jaxpr) -> int:
-    return len(equations(jaxpr))
-
-
 def layer_scans(jaxpr, num_layers: int) -> int:
     return sum(1 for e in jaxpr.eqns if e.primitive.name == "scan" and e.params["length"] == num_layers)
 
@@ -283,5 +279,5 @@ def test_layers_run_in_one_scan_and_program_size_is_flat_in_depth():
         assert layer_scans(forward.jaxpr, depth) == 1
         train = jax.make_jaxpr(lambda p, b, static=static: jax.grad(lm_loss)(eqx.combine(p, static), b))(
             params, tokens(batch=2, seq=SEQ + 1))
-        sizes[depth] = count_equations(train.jaxpr)
+        sizes[depth] = len(equations(train.jaxpr))
     assert sizes[3] == sizes[6]
