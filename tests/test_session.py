@@ -75,3 +75,31 @@ def test_write_resolved_config_records_every_setting(tmp_path):
     written = json.loads((tmp_path / "config.json").read_text())
     assert set(written) == {"model_config", "train_config", "data_config", "mesh_config", "run_config", "mesh"}
     assert ModelConfig.from_dict(written["model_config"]) == configs.model
+
+
+def test_prepare_measures_the_peak_before_it_opens_the_data_or_makes_the_state(tmp_path, monkeypatch):
+    """The CPU's matmul probe runs before anything else of the run is made (after the data, the state and the
+    outputs it often read low, and the logged MFU as much too high); the meter and the log's peak line carry that
+    one reading."""
+    order = []
+
+    def recorded(name, function):
+        def wrapper(*args, **kwargs):
+            order.append(name)
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(session, "device_peak", recorded("peak", lambda **kwargs: (123e9, "a recorded peak")))
+    for name in ("open_data", "starting_state", "RunLogger", "Checkpointer"):
+        monkeypatch.setattr(session, name, recorded(name, getattr(session, name)))
+    configs = tiny_configs(tmp_path / "run")
+    prepared = session.prepare(configs._replace(train=configs.train.replace(batch_size=8)))  # 8 devices
+    try:
+        assert order[0] == "peak" and order.count("peak") == 1 and {"open_data", "starting_state"} <= set(order)
+        assert (prepared.meter.peak, prepared.meter.source) == (123e9, "a recorded peak")
+        assert prepared.meter.flops_per_token == prepared.configs.model.flops_per_token()
+        assert "peak FLOP/s per device: 123.0 GFLOP/s (a recorded peak)" in prepared.summary
+    finally:
+        prepared.logger.close()
+        prepared.checkpointer.close()
+        prepared.lock.release()

@@ -33,7 +33,7 @@ from nash_mhc.training.resume import (
 )
 from nash_mhc.training.run_lock import RunLock
 from nash_mhc.training.state import Batch, TrainState, init_train_state, with_model
-from nash_mhc.training.throughput import MFUMeter
+from nash_mhc.training.throughput import MFUMeter, device_peak
 
 
 class Configs(NamedTuple):
@@ -270,6 +270,10 @@ def prepare(configs: Configs) -> Session:
     check_batch(configs.train, mesh)
     directory = paths.as_path(configs.run.checkpoint_dir)  # a local path or a bucket URI (gs://...)
     _check_directory(directory)
+    # The peak first, in a process that has done nothing else yet, as a benchmark session or a fresh process
+    # measures it: after the data, the state and the outputs were made, a CPU's matmul probe read low more often,
+    # and every MFU of such a run as much too high (benchmarks/README.md, "Training log vs benchmark").
+    peak = device_peak(dtype=configs.model.dtype)
     configs, tokenizer, train_data, eval_data = open_data(configs)
     identity = run_identity(configs.data, tokenizer, configs.train)
     lock = _lock(directory) if directory.exists() else None
@@ -287,7 +291,7 @@ def prepare(configs: Configs) -> Session:
     is_main = jax.process_index() == 0
     logger = RunLogger(directory, enabled=is_main, total_steps=configs.train.total_steps, start_step=start.step,
                        progress=configs.run.progress)
-    meter = MFUMeter.for_device(configs.model.flops_per_token(), len(jax.devices()), dtype=configs.model.dtype)
+    meter = MFUMeter(float(configs.model.flops_per_token()), len(jax.devices()), *peak)
     summary = summary_lines(configs, start.state, devices, meter, (train_data, eval_data), start)
     if is_main:
         write_resolved_config(directory, configs, mesh)

@@ -108,6 +108,18 @@ def measured_peak(device: Any, dtype: str) -> float:
     return steady_best(MatmulProbe(device, dtype=dtype))
 
 
+def device_peak(device: Any | None = None, *, dtype: str = "float32", probe: Probe | None = None
+                ) -> tuple[float, str]:
+    """(peak FLOP/s of one ``device``, where it comes from): the table's, else :func:`measured_peak` (or
+    :func:`steady_best` of ``probe``, tests)."""
+    device = jax.devices()[0] if device is None else device
+    table = table_peak(device.device_kind)
+    if table is not None:
+        return table, f"{device.device_kind} table"
+    peak = measured_peak(device, dtype) if probe is None else steady_best(probe)
+    return peak, f"{device.platform} {dtype} {PROBE_SIZE}² matmul probe, best once steady"
+
+
 @dataclasses.dataclass(frozen=True)
 class MFUMeter:
     """Tokens/s and MFU of training steps on ``num_devices`` devices like ``device``, all over one ``peak``.
@@ -124,13 +136,7 @@ class MFUMeter:
     @classmethod
     def for_device(cls, flops_per_token: float, num_devices: int, *, device: Any | None = None,
                dtype: str = "float32", probe: Probe | None = None) -> MFUMeter:
-        device = jax.devices()[0] if device is None else device
-        table = table_peak(device.device_kind)
-        if table is not None:
-            return cls(float(flops_per_token), int(num_devices), table, f"{device.device_kind} table")
-        peak = measured_peak(device, dtype) if probe is None else steady_best(probe)
-        return cls(float(flops_per_token), int(num_devices), peak,
-                   f"{device.platform} {dtype} {PROBE_SIZE}² matmul probe, best once steady")
+        return cls(float(flops_per_token), int(num_devices), *device_peak(device, dtype=dtype, probe=probe))
 
     def report(self, tokens_per_step: float, mean_step_seconds: float) -> dict[str, float]:
         """Figures of steps that took ``mean_step_seconds`` each: tokens/s, MFU and the mean step time."""
@@ -145,4 +151,5 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak_per_device: float
     return tokens_per_second * flops_per_token / (peak_per_device * num_devices)
 
 
-__all__ = ["PEAK_FLOPS", "MFUMeter", "MatmulProbe", "Probe", "measured_peak", "mfu", "steady_best", "table_peak"]
+__all__ = ["PEAK_FLOPS", "MFUMeter", "MatmulProbe", "Probe", "device_peak", "measured_peak", "mfu", "steady_best",
+           "table_peak"]
