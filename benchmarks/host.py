@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -14,3 +15,8 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    """The cores and CPU model, e.g. ``2 cores, Intel(R) Xeon(R) Processor``."""
+    return f"{os.cpu_count()} cores, {cpu_model()}"

@@ -33,14 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from host import cpu_model
+from host import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 AGREEMENT, STEADINESS = 0.15, 0.10
-
-
-def machine() -> str:
-    return f"{os.cpu_count()} cores, {cpu_model()}"
 
 
 def busy_seconds() -> float:

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from host import cpu_model
+from host import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 FRESH = ("import jax; from nash_mhc.training.throughput import measured_peak; "
@@ -61,7 +61,7 @@ def main() -> int:
     if args.baseline_tree is not None:
         readings[f"training program at {args.baseline_tree}"] = []
     readings["fresh process"] = []
-    print(f"machine: {os.cpu_count()} cores, {cpu_model()}", flush=True)
+    print(f"machine: {machine()}", flush=True)
     with tempfile.TemporaryDirectory() as cache:  # compiled once, then read from the cache by every run
         for round_ in range(1, args.rounds + 1):
             readings["training program"].append(training_peak(None, Path(cache)))
