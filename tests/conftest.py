@@ -1,9 +1,13 @@
 """Test-suite set-up: the CPU platform with 8 host devices on every machine, the jaxtyping import hook over the
-whole package, float32 matmuls at full precision, and per-test timeouts (longer for ``slow`` tests)."""
+whole package, float32 matmuls at full precision, one persistent XLA compilation cache for the whole run, and
+per-test timeouts (longer for ``slow`` tests)."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +21,19 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+# One persistent XLA compilation cache for the whole run: the pytest process (or xdist's controller) makes it, its
+# workers find it through the environment, and the training programs the tests start get it as their
+# --compile-cache-dir (the ``cache_dir`` fixture), so a program compiled in one module, worker or subprocess is read
+# back by the others (JAX's own threshold: programs that took 1 s or more to compile). The quick loop spends about
+# two thirds of its time in XLA's CPU compiler (docs/testing.md). The process that made the directory removes it
+# at the end (pytest_unconfigure).
+XLA_CACHE_ENV = "NASH_MHC_TEST_XLA_CACHE"
+if XLA_CACHE_ENV not in os.environ:
+    os.environ[XLA_CACHE_ENV] = tempfile.mkdtemp(prefix="nash_mhc_test_xla_")
+    _MADE_XLA_CACHE: str | None = os.environ[XLA_CACHE_ENV]
+else:
+    _MADE_XLA_CACHE = None
+
 import jax  # noqa: E402
 from jaxtyping import install_import_hook  # noqa: E402
 
@@ -27,28 +44,24 @@ with install_import_hook("nash_mhc", "beartype.beartype"):
     import nash_mhc.data  # noqa: F401  (not imported by the package __init__)
 
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_compilation_cache_dir", os.environ[XLA_CACHE_ENV])
 
 
 SLOW_TIMEOUT_S = 1800  # the default (pyproject.toml, [tool.pytest.ini_options] timeout) is for the others
 
 
-# The longest test files first: pytest-xdist (``-n 2 --dist loadfile``) hands out whole files in collection
-# order, so a long file collected last (test_train_cli.py, about 11 minutes of subprocess trainings) would run
-# alone at the end while the other worker idles. Longest first (by their measured durations) keeps both busy.
-LONGEST_FIRST = ("test_train_cli.py", "test_step.py", "test_checkpoint_integrity.py", "test_generate.py",
-                 "test_study.py", "test_docs.py", "test_data_sources.py", "test_integrations.py", "test_notebook.py",
-                 "test_model.py", "test_bf16.py",
-                 "test_examples.py", "test_nash.py", "test_evaluate.py")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``slow`` tests get :data:`SLOW_TIMEOUT_S` unless they set a timeout of their own; the files of
-    :data:`LONGEST_FIRST` run first, in that order (the others after them, in their own order)."""
+    """``slow`` tests get :data:`SLOW_TIMEOUT_S` unless they set a timeout of their own. (The order of the files
+    is pytest-xdist's: ``--dist loadfile`` hands out the files with the most tests first.)"""
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the run's compilation cache, in the process that made it (xdist's controller, after its workers)."""
+    if _MADE_XLA_CACHE is not None:
+        shutil.rmtree(_MADE_XLA_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -60,7 +73,8 @@ def fresh_jax_caches() -> object:
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory):
-    """One persistent XLA compilation cache for the training-program subprocesses of every test module, so a
-    step compiled for one module's runs is not compiled again for another's."""
-    return tmp_path_factory.mktemp("xla_cache")
+def cache_dir() -> Path:
+    """The run's persistent XLA compilation cache (:data:`XLA_CACHE_ENV`), for the ``--compile-cache-dir`` of the
+    training programs the tests start: a step compiled for one module's runs is not compiled again for another's,
+    in either worker."""
+    return Path(os.environ[XLA_CACHE_ENV])

@@ -156,10 +156,10 @@ def test_hardware_command_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_cpu_training_commands_run(tmp_path):
+def test_cpu_training_commands_run(tmp_path, cache_dir):
     """The runs-here block as written, both commands at once, with two flags added: no progress bar, and the
-    compile cache in the test's temporary directory instead of the user's ~/.cache/nash_mhc/xla."""
-    cache = shlex.quote(str(tmp_path / "xla-cache"))
+    test run's compile cache instead of the user's ~/.cache/nash_mhc/xla."""
+    cache = shlex.quote(str(cache_dir))
     runs = [(command, words, shell(f"{command} --no-progress --compile-cache-dir {cache}", tmp_path))
             for command, _, words in commands_of("nash_mhc.train", marked=True)]
     for command, words, process in runs:

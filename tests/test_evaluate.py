@@ -33,10 +33,9 @@ def python_m(module: str, *args: str, expect: int = 0) -> subprocess.CompletedPr
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[Path, Path]:
+def run(tmp_path_factory, cache_dir) -> tuple[Path, Path]:
     """(run directory, compilation cache) of a tiny model trained for a few dozen steps on the stdlib."""
-    base = tmp_path_factory.mktemp("trained")
-    run_dir, cache = base / "run", base / "xla"
+    run_dir, cache = tmp_path_factory.mktemp("trained") / "run", cache_dir
     python_m("nash_mhc.train", "--model", "tiny", "--total-steps", str(STEPS), "--batch-size", "8",
              "--learning-rate", "3e-3", "--warmup-steps", "5", "--eval-interval", str(STEPS), "--eval-steps", "2",
              "--checkpoint-dir", str(run_dir), "--compile-cache-dir", str(cache), "--no-progress")

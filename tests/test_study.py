@@ -180,11 +180,6 @@ def test_the_selection_rule_picks_the_lowest_finite_and_breaks_ties_low():
 
 
 # ---------------------------------------------------------------------------------------------- ablation
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("xla_cache")
-
-
 @pytest.fixture
 def one_device(monkeypatch):
     """The studies' child processes see one CPU device (the test process has 8 fake ones)."""
