@@ -55,9 +55,11 @@ def test_training_logs_the_numbers_evaluate_reports(capsys, run):
     records = [json.loads(line) for line in (run[0] / "metrics.jsonl").read_text().splitlines()]
     (logged,) = [r for r in records if "eval_loss" in r]
     assert logged["step"] == STEPS
-    # Byte tokenizer: every predicted token but EOS is one byte, so bpb is just above loss / ln 2.
+    # Byte tokenizer: every predicted token but EOS is one byte, so bpb is loss / ln 2 times tokens / bytes >= 1.
+    # These windows predict no EOS: tokens == bytes, and the float64 ratio is 1 to rounding (0.9999999999999999 on
+    # a 2-core Xeon VM, 2026-11-29, with or without a compile cache; at least 1.0 on the VMs before it).
     ratio = logged["eval_bpb"] * math.log(2) / logged["eval_loss"]
-    assert 1.0 <= ratio < 1.05, logged
+    assert 1.0 - 1e-12 <= ratio < 1.05, logged
     # The training program's eval (2 batches of 8) is the first 2 batches of `evaluate`'s held-out windows.
     record = evaluate(capsys, run[0], "--num-batches", "2")
     assert math.isclose(record["loss"], logged["eval_loss"], rel_tol=1e-5)
