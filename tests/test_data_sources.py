@@ -394,10 +394,10 @@ def test_prepare_refuses_a_non_empty_output(corpus, capsys):
 
 
 @pytest.fixture(scope="module")
-def train_main(tmp_path_factory):
+def train_main(cache_dir):
     from nash_mhc.train import main
 
-    cache = str(tmp_path_factory.mktemp("xla"))
+    cache = str(cache_dir)
 
     def run(*argv: str) -> int:
         return main(["--model", "tiny", "--batch-size", "8", "--no-progress", "--log-interval", "1",

@@ -44,16 +44,15 @@ def one_line_error(capsys) -> str:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict[str, Path]:
-    """A W&B-offline, profiled run stopped at step 6 and resumed to 8; its directory and compile cache."""
-    base = tmp_path_factory.mktemp("integrations")
-    run_dir, cache = base / "run", base / "xla"
+def run(tmp_path_factory, cache_dir) -> Path:
+    """The directory of a W&B-offline, profiled run stopped at step 6 and resumed to 8."""
+    run_dir = tmp_path_factory.mktemp("integrations") / "run"
     saved = os.environ.get("WANDB_MODE")
     os.environ["WANDB_MODE"] = "offline"
     try:
         for steps in ("6", "8"):
             code = train_main([*COMMON, "--dataset", "synthetic", "--total-steps", steps, "--checkpoint-dir",
-                               str(run_dir), "--compile-cache-dir", str(cache), "--wandb-project", "p",
+                               str(run_dir), "--compile-cache-dir", str(cache_dir), "--wandb-project", "p",
                                "--wandb-tags", "test,offline", "--profile-steps", "3:5"])
             assert code == 0
     finally:
@@ -64,7 +63,7 @@ def run(tmp_path_factory) -> dict[str, Path]:
             os.environ.pop("WANDB_MODE", None)
         else:
             os.environ["WANDB_MODE"] = saved
-    return {"dir": run_dir, "cache": cache}
+    return run_dir
 
 
 # ------------------------------------------------------------------------------------------------ W&B
@@ -95,9 +94,9 @@ def wandb_records(file: Path) -> list:
 
 @pytest.mark.slow
 def test_wandb_offline_holds_the_loss_history_and_the_resume_continues_the_run(run):
-    folders = sorted((run["dir"] / "wandb").glob("offline-run-*"))
+    folders = sorted((run / "wandb").glob("offline-run-*"))
     assert len(folders) == 2  # the first run and the resumed one
-    run_id = (run["dir"] / "wandb_run_id").read_text().strip()
+    run_id = (run / "wandb_run_id").read_text().strip()
     history = {}
     for folder in folders:
         records = wandb_records(next(folder.glob("run-*.wandb")))
@@ -110,7 +109,7 @@ def test_wandb_offline_holds_the_loss_history_and_the_resume_continues_the_run(r
                          for item in record.history.item}
                 if "train/loss" in items:
                     history[items["_step"]] = items["train/loss"]
-    logged = losses(run["dir"])
+    logged = losses(run)
     assert sorted(history) == list(range(1, 9))
     assert all(abs(history[s] - logged[s]) <= 1e-6 * abs(logged[s]) for s in logged)
 
@@ -134,7 +133,7 @@ def test_wandb_errors_are_one_line_exit_2(tmp_path, capsys, monkeypatch):
 # ------------------------------------------------------------------------------------------- profiler
 @pytest.mark.slow
 def test_profile_steps_leave_a_trace_under_the_checkpoint_dir(run):
-    traces = list((run["dir"] / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    traces = list((run / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0  # one window: steps 3..5 of the first run
 
 
@@ -236,11 +235,11 @@ def test_masked_positions_contribute_nothing_to_the_loss_or_the_gradient():
 
 @pytest.mark.slow
 def test_fine_tuning_from_a_run_trains_on_the_responses_and_evaluate_reports_the_masked_loss(run, tmp_path,
-                                                                                             capsys):
+                                                                                             capsys, cache_dir):
     sft = tmp_path / "sft"
     code = train_main([*COMMON, "--dataset", str(TASKS), "--prompt-field", "prompt", "--response-field", "response",
-                       "--init-from", str(run["dir"]), "--total-steps", "3", "--checkpoint-dir", str(sft),
-                       "--compile-cache-dir", str(run["cache"])])
+                       "--init-from", str(run), "--total-steps", "3", "--checkpoint-dir", str(sft),
+                       "--compile-cache-dir", str(cache_dir)])
     assert code == 0 and sorted(losses(sft)) == [1, 2, 3]
     assert json.loads((sft / "config.json").read_text())["data_config"]["prompt_field"] == "prompt"
     assert evaluate_main(["--checkpoint-dir", str(sft), "--num-batches", "0", "--batch-size", "2",
@@ -273,12 +272,12 @@ def test_export_then_load_gives_the_checkpoints_logits_without_the_training_stac
     from nash_mhc.inference import load_model
 
     out = tmp_path / "export"
-    assert export_main(["--checkpoint-dir", str(run["dir"]), "--out", str(out)]) == 0
+    assert export_main(["--checkpoint-dir", str(run), "--out", str(out)]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 8
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     tokens = np.asarray(jax.random.randint(jax.random.key(1), (2, 64), 0, 256), np.int32)
     np.save(tmp_path / "tokens.npy", tokens)
-    checkpoint = np.asarray(load_model(str(run["dir"])).model(jnp.asarray(tokens)).logits)
+    checkpoint = np.asarray(load_model(str(run)).model(jnp.asarray(tokens)).logits)
     # A fresh interpreter that loads only the export: same logits, and Orbax never imported.
     script = ("import sys, numpy as np, jax.numpy as jnp, nash_mhc; m = nash_mhc.load_exported(sys.argv[1]); "
               "np.save(sys.argv[2], np.asarray(m(jnp.asarray(np.load(sys.argv[3]))).logits)); "
@@ -289,13 +288,13 @@ def test_export_then_load_gives_the_checkpoints_logits_without_the_training_stac
     np.testing.assert_array_equal(np.load(tmp_path / "logits.npy"), checkpoint)
 
     reports = []
-    for directory in (run["dir"], out):  # evaluate reads either, with the same numbers
+    for directory in (run, out):  # evaluate reads either, with the same numbers
         assert evaluate_main(["--checkpoint-dir", str(directory), "--num-batches", "2", "--compile-cache-dir",
                               "none"]) == 0
         reports.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     assert reports[0] == reports[1]
 
-    assert export_main(["--checkpoint-dir", str(run["dir"]), "--out", str(out)]) == 2
+    assert export_main(["--checkpoint-dir", str(run), "--out", str(out)]) == 2
     assert "already exists" in one_line_error(capsys)
     other = tmp_path / "other"
     other.mkdir()
@@ -315,10 +314,10 @@ def test_generate_accepts_the_export_folder(run, tmp_path, capsys):
     from nash_mhc.generate import main as generate_main
 
     out = tmp_path / "export"
-    assert export_main(["--checkpoint-dir", str(run["dir"]), "--out", str(out)]) == 0
+    assert export_main(["--checkpoint-dir", str(run), "--out", str(out)]) == 0
     capsys.readouterr()
     texts = []
-    for directory in (run["dir"], out):
+    for directory in (run, out):
         assert generate_main(["--checkpoint-dir", str(directory), "--prompt", "Ab", "--max-new-tokens", "16",
                               "--temperature", "0", "--compile-cache-dir", "none"]) == 0
         texts.append(capsys.readouterr().out)
