@@ -469,3 +469,43 @@ def test_after_a_failed_restore_only_the_abandoned_reads_asyncio_reports_are_dro
         assert len(logger.filters) == len(others) + 1
     finally:
         logger.filters[:] = before
+
+
+def test_after_a_failed_restore_only_the_abandoned_reads_unraisable_reports_are_dropped(monkeypatch):
+    """A failed restore leaves Orbax's other reads unfinished: each read's coroutine, closed when collected,
+    raises an Exception from the GeneratorExit (Python reports it as unraisable, with a traceback), and
+    TensorStore's late callbacks find the event loop closed. The hook drops exactly those two reports."""
+
+    class Pending:
+        def __await__(self):
+            yield
+
+    def read_like_orbax(name: str, error: BaseException | None = None):
+        async def read() -> None:
+            try:
+                await Pending()
+            except BaseException as closed:
+                raise (error or Exception(f"Encountered error while reading array index: {name}")) from closed
+
+        read.__qualname__ = name
+        return read
+
+    def abandon(read) -> None:
+        coroutine = read()
+        coroutine.send(None)  # suspended inside the read, as a failed restore leaves the others
+        del coroutine
+        gc.collect()
+
+    reports = []
+    monkeypatch.setattr(sys, "unraisablehook", reports.append)
+    abandon(read_like_orbax(checkpoint.ABANDONED_READ))
+    assert len(reports) == 1 and isinstance(reports[0].exc_value.__cause__, GeneratorExit)  # what the hook is for
+    reports.clear()
+    checkpoint._quiet_abandoned_reads()
+    checkpoint._quiet_abandoned_reads()  # idempotent: one hook in front of the recorder
+    abandon(read_like_orbax(checkpoint.ABANDONED_READ))
+    abandon(read_like_orbax("another_coroutine", RuntimeError("Event loop is closed")))
+    assert reports == []
+    abandon(read_like_orbax("another_coroutine"))
+    abandon(read_like_orbax(checkpoint.ABANDONED_READ, ValueError("not a close")))
+    assert [type(r.exc_value).__name__ for r in reports] == ["Exception", "ValueError"]

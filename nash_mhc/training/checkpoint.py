@@ -161,18 +161,25 @@ def _read_failure(what: str, error: Exception) -> CheckpointError:
     return CheckpointError(f"{what}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
 
+ABANDONED_READ = "_read_array_index_and_device_put"  # Orbax's coroutine reading one array's shard
+
+
 def _quiet_abandoned_reads() -> None:
-    """Installed before each restore (idempotent). After a failed restore, TensorStore completes the reads
-    Orbax abandoned and their callbacks find Orbax's event loop closed; Python reports each as an "unraisable"
-    RuntimeError with a traceback. Drop exactly those (a failed restore is already reported in one line);
-    anything else goes to the previous hook."""
+    """Installed before each restore (idempotent). After a failed restore, Python reports two kinds of
+    "unraisable" exception, each with a traceback, for the reads Orbax abandoned: TensorStore completes them
+    and their callbacks find Orbax's event loop closed (a RuntimeError), and each read's coroutine, closed
+    unfinished when it is collected, turns that close (GeneratorExit) into an Exception naming the array. Drop
+    exactly those (a failed restore is already reported in one line); anything else goes to the previous hook."""
     previous = sys.unraisablehook
     if getattr(previous, "nash_mhc_quiet", False):
         return
 
     def hook(unraisable: Any) -> None:
-        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is "
-                                                                                                "closed"):
+        error = unraisable.exc_value
+        loop_closed = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        read_closed = (getattr(unraisable.object, "__qualname__", None) == ABANDONED_READ
+                       and type(error) is Exception and isinstance(error.__cause__, GeneratorExit))
+        if not (loop_closed or read_closed):
             previous(unraisable)
 
     hook.nash_mhc_quiet = True  # type: ignore[attr-defined]
