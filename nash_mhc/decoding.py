@@ -176,12 +176,12 @@ def _block_step(block: Block, x: Float[Array, "1 n dim"], cache: DecodeCache, la
     """One block on one token: the same two hyper-connected sublayers as ``Block.__call__``."""
     updated = {}
 
-    def attention(u: Float[Array, "1 dim"]) -> Float[Array, "1 dim"]:
-        y, updated["cache"] = _attention_step(block.attn, block.attn_norm(u), cache, layer, position)
+    def attention(normed: Float[Array, "1 dim"]) -> Float[Array, "1 dim"]:
+        y, updated["cache"] = _attention_step(block.attn, normed, cache, layer, position)
         return y
 
-    x, _ = block.attn_hc(x, attention)
-    x, _ = block.ffn_hc(x, lambda u: block.ffn(block.ffn_norm(u)))
+    x, _ = block.attn_hc(x, attention, block.attn_norm)
+    x, _ = block.ffn_hc(x, block.ffn, block.ffn_norm)
     return x, updated["cache"]
 
 

@@ -164,12 +164,13 @@ class Block(eqx.Module):
         found = {}
 
         def attention(u: jax.Array) -> jax.Array:
-            y, *found["stats"] = self.attn(rearrange(self.attn_norm(u), "(b t) d -> b t d", b=batch))
+            y, *found["stats"] = self.attn(rearrange(u, "(b t) d -> b t d", b=batch))
             return rearrange(y, "b t d -> (b t) d")
 
         tokens = rearrange(xs, "n b t d -> n (b t) d")
-        tokens, res_attn = self.attn_hc.streams_major(tokens, attention)
-        tokens, res_ffn = self.ffn_hc.streams_major(tokens, lambda u: self.ffn(self.ffn_norm(u)))
+        # each connection applies its sublayer's pre-norm (mhc on TPU: inside its collapse kernel)
+        tokens, res_attn = self.attn_hc.streams_major(tokens, attention, self.attn_norm)
+        tokens, res_ffn = self.ffn_hc.streams_major(tokens, self.ffn, self.ffn_norm)
         res = rearrange(jnp.stack([res_attn, res_ffn]), "s (b t) i j -> s b t i j", b=batch)
         return (constrain_batch(rearrange(tokens, "n (b t) d -> n b t d", b=batch), dim=1),
                 BlockStats(*found["stats"], res))

@@ -21,6 +21,7 @@ from nash_mhc.ops.stream_mix import stream_mix
 from nash_mhc.sharding import make_mesh
 
 N, T, D = 4, 32, 256
+NORM_EPS = 1e-5  # the sublayer's RMSNorm, when the collapse applies it
 BLOCKS = (16, 128)  # 2 token tiles x 2 column tiles
 
 
@@ -40,16 +41,19 @@ def pre_weights(hc: HyperConnection) -> PreWeights:
     return PreWeights(_pre_operand, functools.partial(_mhc_pre_weights, N, hc.phi.shape[0] // N, hc.norm.eps))
 
 
-def kernel_loss(hc, x, s, w, blocks=BLOCKS):
-    """sum(w ⊙ X') of the connection with the collapse and mix kernels (interpreter)."""
+def kernel_loss(hc, x, s, w, blocks=BLOCKS, gain=None, kernels=True):
+    """sum(w ⊙ X') of the connection with the collapse and mix kernels (interpreter); with a ``gain`` [D] the
+    sublayer is RMSNorm(u) ⊙ s, normalised by the collapse (``kernels=False``: its XLA form)."""
     xs, u, h_post, h_res = collapse_streams(hc._coefficient_function(), pre_weights(hc), x, hc._weighted_phi(),
-                                            hc._coefficient_params(), blocks=blocks, interpret=True)
+                                            hc._coefficient_params(), norm_weight=gain, norm_eps=NORM_EPS,
+                                            blocks=blocks, interpret=True, kernels=kernels)
     out = stream_mix(xs, u * s.astype(u.dtype), h_res, h_post, blocks=blocks, interpret=True, defer=True)
     return jnp.sum(w * out.astype(jnp.float32))
 
 
-def reference_loss(mode, params, x, s, w, eps, iters):
-    """The same loss in float64 NumPy from tests/reference.py, on token-major X [T, n, D]."""
+def reference_loss(mode, params, x, s, w, eps, iters, gain=None):
+    """The same loss in float64 NumPy from tests/reference.py, on token-major X [T, n, D]; with a ``gain`` the
+    sublayer is RMSNorm(u) ⊙ s."""
     norm_weight, phi, alpha, b_pre, b_post, b_last = params
     xt = np.swapaxes(x, 0, 1)
     if mode == "mhc":
@@ -57,7 +61,8 @@ def reference_loss(mode, params, x, s, w, eps, iters):
                                             sinkhorn_iters=iters)
     else:
         coefficients = ref.mhc_lite_coefficients(xt, norm_weight, phi, alpha, b_pre, b_post, b_last, eps=eps)
-    out = ref.connection(xt, coefficients, lambda u: u * ref.f64(s))
+    normed = (lambda u: u) if gain is None else (lambda u: ref.rms_norm(u, gain, NORM_EPS))
+    out = ref.connection(xt, coefficients, lambda u: normed(u) * ref.f64(s))
     return float(np.sum(np.swapaxes(out, 0, 1) * ref.f64(w)))
 
 
@@ -93,6 +98,32 @@ def test_gradients_match_central_differences_of_the_float64_reference(mode, path
         if k == 0:  # the forward pass itself (the collapse kernel's raw projection, sum of squares, H_pre and u)
             np.testing.assert_allclose(float(loss_value), loss(0.0), rtol=1e-5)
         want = (loss(eps * v) - loss(-eps * v)) / (2 * eps)
+        np.testing.assert_allclose(float(np.sum(np.asarray(grad, np.float64) * v)), want, rtol=2e-4,
+                                   atol=2e-4 * np.abs(want) + 1e-3, err_msg=f"argument {k}")
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "xla"])
+def test_the_collapse_normalises_u_for_the_sublayer_like_the_float64_reference(kernels):
+    """With the sublayer's RMSNorm given to the collapse (the kernel normalises each tile of u where it writes it;
+    the backward pass runs the norm's from the saved statistic): the loss and every gradient, the norm's gain
+    included, against central differences of the float64 reference whose sublayer is RMSNorm(u) ⊙ s."""
+    hc, x, s, w = connection("mhc", seed=4)
+    gain = jnp.asarray(1 + 0.3 * np.random.default_rng(7).normal(size=D), jnp.float32)
+    loss_value, grads = jax.value_and_grad(lambda hc, x, g: kernel_loss(hc, x, s, w, gain=g, kernels=kernels),
+                                           argnums=(0, 1, 2))(hc, x, gain)
+    got = parameters(grads[0]) + [grads[1], grads[2]]
+    values = [np.asarray(a, np.float64) for a in parameters(hc) + [x, gain]]
+    rng = np.random.default_rng(8)
+    eps = 1e-4
+
+    def loss(delta, k):
+        moved_values = [a + delta if i == k else a for i, a in enumerate(values)]
+        return reference_loss("mhc", moved_values[:6], moved_values[6], s, w, hc.norm.eps, hc.sinkhorn_iters,
+                              gain=moved_values[7])
+    np.testing.assert_allclose(float(loss_value), loss(0.0, 0), rtol=1e-5)
+    for k, (value, grad) in enumerate(zip(values, got, strict=True)):
+        v = rng.normal(size=value.shape)
+        want = (loss(eps * v, k) - loss(-eps * v, k)) / (2 * eps)
         np.testing.assert_allclose(float(np.sum(np.asarray(grad, np.float64) * v)), want, rtol=2e-4,
                                    atol=2e-4 * np.abs(want) + 1e-3, err_msg=f"argument {k}")
 
@@ -193,3 +224,23 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
     lite_costs = kernel_costs(N, tokens, dim, lite[0], x_bytes, blocks)
     assert declared(jax.grad(loss, argnums=(0, 1)), x, w, params) == [lite_costs.collapse, lite_costs.dh_pre,
                                                                        lite_costs.dx]
+
+    # with the sublayer's RMSNorm: the collapse also reads the gain once and writes inv [T, 1] and y (X's dtype);
+    # per token and feature a multiply-add of the sum of squares and two multiplies, an rsqrt per token
+    normed = kernel_costs(N, tokens, dim, coeffs, x_bytes, blocks, norm=True)
+    assert normed.collapse.flops == costs.collapse.flops + 4 * tokens * dim
+    assert normed.collapse.transcendentals == tokens * (N + 2)
+    assert normed.collapse.bytes_accessed == moved((tokens // tm,), [
+        (rows, lambda t: t), (N * dim * coeffs * 4, lambda t: 0), (2 * N * 4, lambda t: 0), (dim * 4, lambda t: 0),
+        (tm * coeffs * 4, lambda t: t), (tm * 4, lambda t: t), (tm * dim * x_bytes, lambda t: t),
+        (tm * 4, lambda t: t), (tm * dim * x_bytes, lambda t: t)])
+    assert (normed.dh_pre, normed.dx) == (costs.dh_pre, costs.dx)
+
+    def normed_loss(x, w, params, gain):
+        _, y, h_post, h_res = collapse_streams(hc._coefficient_function(), pre_weights(hc), x, w, params,
+                                               norm_weight=gain, blocks=blocks)
+        return y.astype(jnp.float32).sum() + h_post.sum() + h_res.sum()
+    lite_normed = kernel_costs(N, tokens, dim, lite[0], x_bytes, blocks, norm=True)
+    gain = jax.ShapeDtypeStruct((dim,), jnp.float32)
+    assert declared(jax.grad(normed_loss, argnums=(0, 1, 3)), x, w, params, gain) == [
+        lite_normed.collapse, lite_costs.dh_pre, lite_costs.dx]

@@ -55,6 +55,7 @@ from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.dispatch import platform_dependent
+from nash_mhc.ops.rms_norm import rms_norm
 from nash_mhc.ops.sinkhorn import sinkhorn
 from nash_mhc.ops.stream_collapse import PreWeights, collapse_streams, stream_stats, weighted_sum
 from nash_mhc.ops.stream_mix import SHARD_AXES, mix_blocks, stream_mix
@@ -161,14 +162,15 @@ class HyperConnection(eqx.Module):
                                  self.norm.eps, self.sinkhorn_iters)
 
     @jaxtyped(typechecker=beartype)
-    def __call__(self, x: Float[Array, "seq n dim"], sublayer: Sublayer
+    def __call__(self, x: Float[Array, "seq n dim"], sublayer: Sublayer, norm: RMSNorm | None = None
                  ) -> tuple[Float[Array, "seq n dim"], Float[Array, "seq n n"]]:
-        """Apply ``sublayer`` through the connection. Returns (new X, H_res); H_res = 1 for one stream."""
-        out, h_res = self.streams_major(jnp.swapaxes(x, 0, 1), sublayer)
+        """Apply ``sublayer`` through the connection, to ``norm(u)`` when a norm is given (the sublayer's
+        pre-norm). Returns (new X, H_res); H_res = 1 for one stream."""
+        out, h_res = self.streams_major(jnp.swapaxes(x, 0, 1), sublayer, norm)
         return jnp.swapaxes(out, 0, 1), h_res
 
     @jaxtyped(typechecker=beartype)
-    def streams_major(self, xs: Float[Array, "n seq dim"], sublayer: Sublayer
+    def streams_major(self, xs: Float[Array, "n seq dim"], sublayer: Sublayer, norm: RMSNorm | None = None
                       ) -> tuple[Float[Array, "n seq dim"], Float[Array, "seq n n"]]:
         """:meth:`__call__` on the streams-major state X [n, T, D] (what the model's layer scan carries).
 
@@ -177,31 +179,42 @@ class HyperConnection(eqx.Module):
         model charges a reduction over them about 8 x the slab form (``benchmarks/stream_layout_probe.py``).
         The float32 math is that of the module docstring."""
         n, seq, _ = xs.shape
+        normed = (lambda u: u) if norm is None else norm
         if self.mode == "plain":
-            y = sublayer(xs[0])
+            y = sublayer(normed(xs[0]))
             return xs + y.astype(xs.dtype)[None], jnp.ones((seq, 1, 1), jnp.float32)
         if self.mode == "hc":
             h_pre, h_post, h_res = self.coefficients(jnp.swapaxes(xs, 0, 1))
             u = weighted_sum([xs[i].astype(jnp.float32) for i in range(n)], h_pre).astype(xs.dtype)
-            return mix_streams(xs, sublayer(u), h_res, h_post), h_res
+            return mix_streams(xs, sublayer(normed(u)), h_res, h_post), h_res
         # the collapse's pass-through X feeds only the update, whose backward rule leaves H_resᵀ to the collapse's
-        xs, u, h_post, h_res = self._mhc_collapse(xs)
+        xs, u, h_post, h_res = self._mhc_collapse(xs, norm)
         return mix_streams(xs, sublayer(u), h_res, h_post, defer=True), h_res
 
-    def _mhc_collapse(self, xs: Float[Array, "n seq dim"]) -> tuple[
+    def _mhc_collapse(self, xs: Float[Array, "n seq dim"], norm: RMSNorm | None = None) -> tuple[
             Float[Array, "n seq dim"], Float[Array, "seq dim"], Float[Array, "seq n"], Float[Array, "seq n n"]]:
-        """(X, u = sum_k H_pre[k] X[k], H_post, H_res) of mhc / mhc-lite. Lowered for TPU, the backward pass runs
-        the Pallas kernels of :func:`nash_mhc.ops.stream_collapse.collapse_streams` (the raw projection and sum
-        of squares, then u, forward; the stream gradients and dW backward); elsewhere (and where no token tile
-        divides T) the same custom backward with the kernels' slab forms in XLA (``kernels=False``)."""
+        """(X, u = sum_k H_pre[k] X[k], or norm(u) when a norm is given, H_post, H_res) of mhc / mhc-lite. Lowered
+        for TPU, the Pallas kernels of :func:`nash_mhc.ops.stream_collapse.collapse_streams` (the raw projection
+        and sum of squares, then u and its norm, forward, in one kernel; the stream gradients and dW backward);
+        elsewhere (and where no token tile divides T) the collapse's XLA form (``kernels=False``: the same custom
+        backward with the kernels' slab forms), then ``norm`` itself."""
         coefficients = self._coefficient_function()
         n, dim = self.num_streams, xs.shape[2]
         pre = PreWeights(_pre_operand, functools.partial(_mhc_pre_weights, n, dim, self.norm.eps))
         operands = (xs, self._weighted_phi(), self._coefficient_params())
-        xla = functools.partial(collapse_streams, coefficients, pre, kernels=False)
+
+        def xla(xs: jax.Array, w: jax.Array, params: tuple, *gain: jax.Array) -> tuple[jax.Array, ...]:
+            xs, u, h_post, h_res = collapse_streams(coefficients, pre, xs, w, params, kernels=False)
+            return xs, u if norm is None else rms_norm(u, gain[0], norm.eps), h_post, h_res
+
+        def tpu(xs: jax.Array, w: jax.Array, params: tuple, *gain: jax.Array) -> tuple[jax.Array, ...]:
+            return collapse_streams(coefficients, pre, xs, w, params, norm_weight=gain[0] if gain else None,
+                                    norm_eps=self.norm.eps if norm is None else norm.eps)
+
+        operands += () if norm is None else (norm.weight,)
         if mix_blocks(xs.shape[1], xs.shape[2]) is None:
             return xla(*operands)
-        return platform_dependent(*operands, tpu=functools.partial(collapse_streams, coefficients, pre), default=xla)
+        return platform_dependent(*operands, tpu=tpu, default=xla)
 
 
 def _mhc_coefficients(mode: str, n: int, dim: int, eps: float, sinkhorn_iters: int, raw: jax.Array, ss: jax.Array,

@@ -9,6 +9,7 @@ from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped
 
 from nash_mhc.ops.dispatch import platform_dependent
+from nash_mhc.ops.rms_norm import rms_norm
 from nash_mhc.params import param
 
 
@@ -30,7 +31,5 @@ class RMSNorm(eqx.Module):
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        xf = x.astype(jnp.float32)
-        inv = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
-        y = (xf * inv * self.weight).astype(x.dtype)
+        y = rms_norm(x, self.weight, self.eps)
         return platform_dependent(y, tpu=jax.lax.optimization_barrier, default=lambda y: y)

@@ -11,7 +11,11 @@ H_pre, H_post, H_res):
 
 The collapse kernel walks token tiles of whole rows ([n, tokens, D]), so a tile's statistics are complete before
 its u is summed: X is read once in the forward pass, where separate stats and u kernels read it twice (one pass
-over the streams more per sublayer, three per layer under grouped remat; docs/tpu.md). ``pre`` gives the kernel
+over the streams more per sublayer, three per layer under grouped remat; docs/tpu.md). Given the sublayer's
+RMSNorm gain (``norm_weight``), the kernel also normalises each tile of u where it writes it and returns
+y = RMSNorm(u) in u's place, with the norm's statistic inv [T, 1] beside it for the backward pass (which runs
+the norm's backward in XLA, then the kernels below): XLA's two passes over u for the norm's statistic and its
+output are not made. ``pre`` gives the kernel
 H_pre's part of ``coefficients`` (a per-token function of raw, ss and a small float32 operand made from the
 parameters), which must equal ``coefficients``'s H_pre.
 
@@ -50,6 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.rms_norm import rms_inverse, rms_norm, rms_norm_backward
 from nash_mhc.ops.stream_mix import TOKEN_BLOCKS, mix_blocks, res_transpose
 from nash_mhc.sharding import per_shard
 
@@ -78,14 +83,16 @@ class KernelCosts:
 
 
 def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int, blocks: tuple[int, int],
-                 pre_rows: int = 2) -> KernelCosts:
+                 pre_rows: int = 2, norm: bool = False) -> KernelCosts:
     """FLOPs and HBM bytes of the kernels for X [n, T, D] of itemsize ``x_bytes`` (u and g too) and C
     coefficient columns, on tiles ``blocks`` = (token tile, column tile).
 
     collapse (token tiles of whole rows): per stream, token and column C multiply-adds of X_j W_j, one of X_j² and
     one of H_pre X_j; reads X, W and the float32 [``pre_rows``, n] H_pre operand (whole, once), writes raw
     (float32 [T, C]), ss (float32 [T, 1]) and u (X's dtype). H_pre per token: n + 1 transcendentals (an rsqrt
-    and n sigmoids), its few multiply-adds not counted.
+    and n sigmoids), its few multiply-adds not counted. ``norm``: the collapse also writes y = RMSNorm(u) (X's
+    dtype) and its float32 [T, 1] statistic: per token and feature a multiply-add for the sum of squares and two
+    multiplies, one rsqrt per token, reading the float32 [1, D] gain once.
     dh_pre: one multiply-add per stream, token and column; reads X and du, writes dH_pre (float32 [T, n]).
     dx: per stream, token and column 2 C multiply-adds (d_raw W_jᵀ, and X_jᵀ d_raw for dW), n for H_resᵀ g and two
     more (H_pre du, 2 d_ss X); reads X, g, du, the per-token scalars [T, n + 1 + n²] and d_raw [T, C] (float32) once
@@ -97,6 +104,9 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
     collapse = pl.CostEstimate(flops=2 * (coeffs + 2) * n * elems, transcendentals=tokens * (n + 1),
                                bytes_accessed=stream + slab + n * dim * coeffs * 4 + pre_rows * n * 4
                                + tokens * (coeffs + 1) * 4)
+    if norm:
+        collapse = pl.CostEstimate(flops=collapse.flops + 4 * elems, transcendentals=collapse.transcendentals + tokens,
+                                   bytes_accessed=collapse.bytes_accessed + slab + dim * 4 + tokens * 4)
     # dh_pre: X, one [T, D] slab (du) and one float32 [T, n] (dH_pre written)
     dh_pre = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
     per_token = tokens * (n + 1 + n * n + coeffs) * 4
@@ -106,7 +116,11 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
 
 
 # -------------------------------------------------------------------------------------------- kernels
-def _collapse_kernel(pre_weights, x_ref, w_ref, p_ref, raw_ref, ss_ref, u_ref):
+def _collapse_kernel(pre_weights, eps, x_ref, w_ref, p_ref, *refs):
+    if eps is None:
+        raw_ref, ss_ref, u_ref = refs
+    else:
+        gain_ref, raw_ref, ss_ref, u_ref, inv_ref, y_ref = refs
     n = x_ref.shape[0]
     raw, ss = jnp.zeros(raw_ref.shape, F32), jnp.zeros(ss_ref.shape, F32)
     for j in range(n):
@@ -119,7 +133,12 @@ def _collapse_kernel(pre_weights, x_ref, w_ref, p_ref, raw_ref, ss_ref, u_ref):
     acc = h[:, 0:1] * x_ref[0].astype(F32)
     for j in range(1, n):
         acc = acc + h[:, j:j + 1] * x_ref[j].astype(F32)
-    u_ref[...] = acc.astype(u_ref.dtype)
+    u = acc.astype(u_ref.dtype)
+    u_ref[...] = u
+    if eps is not None:  # the sublayer's RMSNorm of the rounded u, from the tile's whole rows
+        inv = rms_inverse(u, eps)
+        inv_ref[...] = inv
+        y_ref[...] = rms_norm(u, gain_ref[...], eps, inv)
 
 
 def _dh_pre_kernel(x_ref, du_ref, out_ref):
@@ -182,9 +201,10 @@ def _row_tile(blocks: tuple[int, int] | None, streams: int, tokens: int, dim: in
     return next((b for b in TOKEN_BLOCKS if tokens % b == 0 and streams * b * dim * 4 <= ROW_TILE_BYTES), None)
 
 
-def _collapse_rows(x, w, operand, *, pre_weights, blocks, interpret):
+def _collapse_rows(x, w, operand, *gain, pre_weights, eps, blocks, interpret):
     """(raw = sum_j X_j W_j [T, C], ss = sum_j sum_d X_j² [T], u = sum_j H_pre[:, j] X_j [T, D] in X's dtype) from
-    one read of X by the collapse kernel on token tiles of whole rows; in XLA (the slab forms, H_pre by
+    one read of X by the collapse kernel on token tiles of whole rows, and with ``eps`` (and the gain [D]) also
+    inv [T, 1] and y = RMSNorm(u) (:mod:`nash_mhc.ops.rms_norm`); in XLA (the slab forms, H_pre by
     ``pre_weights``) where no tile fits this shard."""
     n, tokens, dim = x.shape
     coeffs = w.shape[2]
@@ -192,18 +212,29 @@ def _collapse_rows(x, w, operand, *, pre_weights, blocks, interpret):
     if tm is None:
         slabs = [a.astype(F32) for a in x]
         raw, ss = stream_stats(slabs, w)
-        return raw, ss, weighted_sum(slabs, pre_weights(raw, ss[:, None], operand)).astype(x.dtype)
-    raw, ss, u = pl.pallas_call(
-        functools.partial(_collapse_kernel, pre_weights), grid=(tokens // tm,),
+        u = weighted_sum(slabs, pre_weights(raw, ss[:, None], operand)).astype(x.dtype)
+        if eps is None:
+            return raw, ss, u
+        inv = rms_inverse(u, eps)
+        return raw, ss, u, inv, rms_norm(u, gain[0], eps, inv)
+    rows, whole = pl.BlockSpec((tm, dim), lambda t: (t, 0)), pl.BlockSpec((1, dim), lambda t: (0, 0))
+    column = pl.BlockSpec((tm, 1), lambda t: (t, 0))
+    out_specs = [pl.BlockSpec((tm, coeffs), lambda t: (t, 0)), column, rows]
+    out_shape = [jax.ShapeDtypeStruct((tokens, coeffs), F32), jax.ShapeDtypeStruct((tokens, 1), F32),
+                 jax.ShapeDtypeStruct((tokens, dim), x.dtype)]
+    if eps is not None:
+        out_specs += [column, rows]
+        out_shape += [jax.ShapeDtypeStruct((tokens, 1), F32), jax.ShapeDtypeStruct((tokens, dim), x.dtype)]
+    out = pl.pallas_call(
+        functools.partial(_collapse_kernel, pre_weights, eps), grid=(tokens // tm,),
         in_specs=[pl.BlockSpec((n, tm, dim), lambda t: (0, t, 0)), pl.BlockSpec((n, dim, coeffs), lambda t: (0, 0, 0)),
-                  pl.BlockSpec(operand.shape, lambda t: (0, 0))],
-        out_specs=[pl.BlockSpec((tm, coeffs), lambda t: (t, 0)), pl.BlockSpec((tm, 1), lambda t: (t, 0)),
-                   pl.BlockSpec((tm, dim), lambda t: (t, 0))],
-        out_shape=[jax.ShapeDtypeStruct((tokens, coeffs), F32), jax.ShapeDtypeStruct((tokens, 1), F32),
-                   jax.ShapeDtypeStruct((tokens, dim), x.dtype)],
-        cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, (tm, dim), operand.shape[0]).collapse,
-        interpret=interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))(x, w, operand)
-    return raw, ss[:, 0], u
+                  pl.BlockSpec(operand.shape, lambda t: (0, 0)), *[whole] * len(gain)],
+        out_specs=out_specs, out_shape=out_shape,
+        cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, (tm, dim), operand.shape[0],
+                                   norm=eps is not None).collapse,
+        interpret=interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))(
+            x, w, operand, *(g.reshape(1, dim) for g in gain))
+    return out[0], out[1][:, 0], *out[2:]
 
 
 def _dh_pre(x, du, *, blocks, interpret, kernels=True):
@@ -263,15 +294,24 @@ def _on_shards(kernels: bool, function, in_names, out_names, sums=()):
     return per_shard(function, in_names, out_names, sums) if kernels else function
 
 
-def _forward(coefficients, pre, x, w, params, blocks, interpret, kernels, pullback=False):
-    """(X, u, H_post, H_res) and (H_pre, the coefficients' pullback when ``pullback``, else None)."""
-    if kernels:  # TPU: raw, ss and u from one read of X, on each device's tokens
-        collapse = functools.partial(_collapse_rows, pre_weights=pre.weights, blocks=blocks, interpret=interpret)
-        raw, ss, u = per_shard(collapse, (STREAMS, ("streams", "features", "hc_coeffs"), ("hc_coeffs", "streams")),
-                               (("tokens", "hc_coeffs"), ("tokens",), TOKENS))(x, w, pre.operand(params))
-        # u written once. Fused into each of its consumers (the norm's statistics, the normalised input in two
-        # layouts under multiscale attention), XLA wrote float32 copies of the streams for them instead
-        u = lax.optimization_barrier(u)
+def _forward(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels, pullback=False):
+    """(X, u (or y = RMSNorm(u) with a ``gain``), H_post, H_res) and (H_pre, the coefficients' pullback when
+    ``pullback``, else None, u and RMSNorm's inv [T, 1] (None without a gain))."""
+    inv = None
+    if kernels:  # TPU: raw, ss and u (and y) from one read of X, on each device's tokens
+        collapse = functools.partial(_collapse_rows, pre_weights=pre.weights, eps=None if gain is None else eps,
+                                     blocks=blocks, interpret=interpret)
+        in_names = (STREAMS, ("streams", "features", "hc_coeffs"), ("hc_coeffs", "streams"))
+        out_names = (("tokens", "hc_coeffs"), ("tokens",), TOKENS)
+        if gain is None:
+            raw, ss, u = per_shard(collapse, in_names, out_names)(x, w, pre.operand(params))
+            # u written once. Fused into each of its consumers (the norm's statistics, the normalised input in two
+            # layouts under multiscale attention), XLA wrote float32 copies of the streams for them instead
+            u = lax.optimization_barrier(u)
+        else:
+            raw, ss, u, inv, y = per_shard(collapse, (*in_names, ("norm",)), (*out_names, ("tokens", "norm"), TOKENS))(
+                x, w, pre.operand(params), gain)
+            y = lax.optimization_barrier(y)  # written once, as RMSNorm's output on TPU (nash_mhc.layers.norm)
     else:
         slabs = [a.astype(F32) for a in x]
         raw, ss = stream_stats(slabs, w)
@@ -281,25 +321,33 @@ def _forward(coefficients, pre, x, w, params, blocks, interpret, kernels, pullba
         (h_pre, h_post, h_res), vjp = coefficients(raw, ss, params), None
     if not kernels:
         u = weighted_sum(slabs, h_pre).astype(x.dtype)
-    return (x, u, h_post, h_res), (h_pre, vjp)
+        if gain is not None:
+            inv = rms_inverse(u, eps)
+            y = rms_norm(u, gain, eps, inv)
+    return (x, u if gain is None else y, h_post, h_res), (h_pre, vjp, u, inv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 5, 6, 7))
-def _collapse(coefficients, pre, x, w, params, blocks, interpret, kernels):
-    return _forward(coefficients, pre, x, w, params, blocks, interpret, kernels)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 6, 7, 8, 9))
+def _collapse(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels):
+    return _forward(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels)[0]
 
 
-def _collapse_fwd(coefficients, pre, x, w, params, blocks, interpret, kernels):
+def _collapse_fwd(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels):
     """Saves the coefficients' pullback (their own residuals: Sinkhorn's saved iterates on CPU and GPU, its
-    logits on TPU), so the backward pass does not recompute them."""
-    out, (h_pre, pullback) = _forward(coefficients, pre, x, w, params, blocks, interpret, kernels, pullback=True)
-    return out, (x, w, h_pre, out[3], pullback)
+    logits on TPU), so the backward pass does not recompute them; with a gain also u and RMSNorm's inv."""
+    out, (h_pre, pullback, u, inv) = _forward(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels,
+                                              pullback=True)
+    norm = None if gain is None else (u, gain, inv)
+    return out, (x, w, h_pre, out[3], pullback, norm)
 
 
-def _collapse_bwd(coefficients, pre, blocks, interpret, kernels, residuals, cotangents):
-    del coefficients, pre
-    x, w, h_pre, h_res, pullback = residuals
+def _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals, cotangents):
+    del coefficients, pre, eps
+    x, w, h_pre, h_res, pullback, norm = residuals
     g, du, dh_post, dh_res = cotangents  # g: the stream update's output cotangent (module docstring)
+    dgain = None
+    if norm is not None:  # du is y's cotangent: RMSNorm's backward pass from the forward's inv (XLA)
+        du, dgain = rms_norm_backward(*norm, du)
     du = du.astype(x.dtype)
     dh_pre = _on_shards(kernels, functools.partial(_dh_pre, blocks=blocks, interpret=interpret, kernels=kernels),
                         (STREAMS, TOKENS), ("tokens", "streams"))(x, du)
@@ -309,17 +357,21 @@ def _collapse_bwd(coefficients, pre, blocks, interpret, kernels, residuals, cota
                         (STREAMS, STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "hc_coeffs"),
                          ("streams", "hc_coeffs", "features")), (STREAMS, ("streams", "features", "hc_coeffs")),
                         sums=(None, "tokens"))(x, g.astype(x.dtype), du, scalars, draw, jnp.swapaxes(w, 1, 2))
-    return dx, dw, dparams
+    return dx, dw, dparams, dgain
 
 
 _collapse.defvjp(_collapse_fwd, _collapse_bwd)
 
 
 def collapse_streams(coefficients: Coefficients, pre: PreWeights, x: jax.Array, w: jax.Array, params, *,
+                     norm_weight: jax.Array | None = None, norm_eps: float = 1e-6,
                      blocks: tuple[int, int] | None = None, interpret: bool = False, kernels: bool = True
                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(X, u, H_post, H_res) of the module docstring, with the Pallas backward kernels on each device's token
-    shard (:func:`nash_mhc.sharding.per_shard`).
+    shard (:func:`nash_mhc.sharding.per_shard`). With ``norm_weight`` [D] (float32) the second output is the
+    sublayer's normalised input y = RMSNorm(u) (:func:`nash_mhc.ops.rms_norm.rms_norm`, ``norm_eps``) instead of u:
+    the collapse kernel normalises each tile of u where it writes it (y and the statistic written beside u, which
+    the backward pass keeps), so XLA's two passes over u for the norm's statistic and output are not made.
 
     ``x`` [n, T, D] (any float dtype), ``w`` [n, D, C] float32, ``params`` a pytree of arrays that
     ``coefficients(raw [T, C], ss [T], params)`` reads (it returns H_pre [T, n], H_post [T, n], H_res [T, n, n]);
@@ -333,4 +385,4 @@ def collapse_streams(coefficients: Coefficients, pre: PreWeights, x: jax.Array, 
     if blocks is not None and (tokens % blocks[0] or blocks[0] % 8 or dim % blocks[1]):
         raise ValueError(f"collapse_streams needs tiles that divide (tokens, dim) = ({tokens}, {dim}) with a token "
                          f"tile that is a multiple of 8, got {blocks}")
-    return _collapse(coefficients, pre, x, w, params, blocks, interpret, kernels)
+    return _collapse(coefficients, pre, x, w, params, norm_weight, norm_eps, blocks, interpret, kernels)

@@ -1,0 +1,36 @@
+"""RMSNorm as pure functions: the one definition that :class:`nash_mhc.layers.norm.RMSNorm` computes, and that
+mHC's collapse kernel (:mod:`nash_mhc.ops.stream_collapse`) applies to u where it writes u, with the backward
+pass that the collapse's custom VJP runs from the saved statistic.
+
+For x [..., D] and weight [D], in float32: inv = 1 / sqrt(mean(x²) + eps) [..., 1], x̂ = x · inv, y = x̂ · weight
+(in x's dtype). Backward, from dy: dweight = Σ_tokens dy · x̂, dx = inv · (dy · weight − x̂ · mean(dy · weight ·
+x̂)) (in x's dtype).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def rms_inverse(x: jax.Array, eps: float) -> jax.Array:
+    """inv = 1 / sqrt(mean(x²) + eps) over the last axis, float32 [..., 1]."""
+    xf = x.astype(F32)
+    return jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, inv: jax.Array | None = None) -> jax.Array:
+    """y = x · inv · weight in x's dtype (inv: :func:`rms_inverse`, computed here unless given)."""
+    inv = rms_inverse(x, eps) if inv is None else inv
+    return (x.astype(F32) * inv * weight).astype(x.dtype)
+
+
+def rms_norm_backward(x: jax.Array, weight: jax.Array, inv: jax.Array, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(dx in x's dtype, dweight float32 [D]) of :func:`rms_norm` at x with the forward pass's ``inv``."""
+    xhat = x.astype(F32) * inv
+    dyw = dy.astype(F32) * weight
+    dx = inv * (dyw - xhat * jnp.mean(dyw * xhat, axis=-1, keepdims=True))
+    dweight = jnp.sum((dy.astype(F32) * xhat).reshape(-1, x.shape[-1]), axis=0)
+    return dx.astype(x.dtype), dweight
