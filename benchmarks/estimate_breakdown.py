@@ -114,7 +114,7 @@ PARTS = (
     ("attention: other", ("ops/flash_attention.py", "ops/attention.py")),
     ("RoPE", ("ops/rope",)),
     ("FFN", ("layers/ffn.py",)),
-    ("norms", ("layers/norm.py",)),
+    ("norms", ("layers/norm.py", "ops/rms_norm.py")),
     ("train step: loss, clipping, update", ("training/step.py",)),
 )
 LAYOUT = "layout copies (copy, transpose, bitcast roots; no matmul)"
