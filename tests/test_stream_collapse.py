@@ -140,15 +140,18 @@ def test_bfloat16_streams_follow_the_xla_path_within_bfloat16_rounding():
         np.testing.assert_allclose(a, b, atol=2e-2 * np.abs(b).max(), rtol=0)
 
 
-def test_under_a_mesh_each_shard_runs_the_kernels_on_its_tokens():
+@pytest.mark.parametrize("normalised", [False, True], ids=["u", "norm"])
+def test_under_a_mesh_each_shard_runs_the_kernels_on_its_tokens(normalised):
     """(data 2, fsdp 2, tp 2): 128 tokens split four ways, 2 x 2 tiles of (16, 128) per shard, so every collapse
     kernel runs on each shard and dW sums over two token tiles there and over the shards after; gradients equal
-    one device's to float32 rounding (the parameter gradients add up across shards in another order)."""
+    one device's to float32 rounding (the parameter gradients add up across shards in another order). ``norm``:
+    the collapse also normalises u (its statistic split with the tokens, the gain whole on every shard)."""
     hc, x, s, w = connection("mhc", seed=3, tokens=128)
-    grad = jax.jit(jax.grad(lambda hc, x: kernel_loss(hc, x, s, w), argnums=(0, 1)))
-    one = grad(hc, x)
+    gain = jnp.asarray(1 + 0.3 * np.random.default_rng(9).normal(size=D), jnp.float32) if normalised else None
+    grad = jax.jit(jax.grad(lambda hc, x, g: kernel_loss(hc, x, s, w, gain=g), argnums=(0, 1, 2)))
+    one = grad(hc, x, gain)
     with jax.set_mesh(make_mesh(2, 2, 2)):
-        sharded = grad(hc, x)
+        sharded = grad(hc, x, gain)
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(one), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
 
