@@ -55,7 +55,6 @@ from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.dispatch import platform_dependent
-from nash_mhc.ops.rms_norm import rms_norm
 from nash_mhc.ops.sinkhorn import sinkhorn
 from nash_mhc.ops.stream_collapse import PreWeights, collapse_streams, stream_stats, weighted_sum
 from nash_mhc.ops.stream_mix import SHARD_AXES, mix_blocks, stream_mix
@@ -193,28 +192,26 @@ class HyperConnection(eqx.Module):
 
     def _mhc_collapse(self, xs: Float[Array, "n seq dim"], norm: RMSNorm | None = None) -> tuple[
             Float[Array, "n seq dim"], Float[Array, "seq dim"], Float[Array, "seq n"], Float[Array, "seq n n"]]:
-        """(X, u = sum_k H_pre[k] X[k], or norm(u) when a norm is given, H_post, H_res) of mhc / mhc-lite. Lowered
-        for TPU, the Pallas kernels of :func:`nash_mhc.ops.stream_collapse.collapse_streams` (the raw projection
-        and sum of squares, then u and its norm, forward, in one kernel; the stream gradients and dW backward);
-        elsewhere (and where no token tile divides T) the collapse's XLA form (``kernels=False``: the same custom
-        backward with the kernels' slab forms), then ``norm`` itself."""
+        """(X, u = sum_k H_pre[k] X[k], or norm(u) when a norm is given, H_post, H_res) of mhc / mhc-lite:
+        :func:`nash_mhc.ops.stream_collapse.collapse_streams` with the norm's gain inside its custom VJP on every
+        platform. Lowered for TPU, its Pallas kernels (the raw projection and sum of squares, then u and its norm,
+        forward, in one kernel; the stream gradients and dW backward); elsewhere (and where no token tile divides
+        T) its XLA form (``kernels=False``: the same functions and backward rule with the kernels' slab forms)."""
         coefficients = self._coefficient_function()
         n, dim = self.num_streams, xs.shape[2]
         pre = PreWeights(_pre_operand, functools.partial(_mhc_pre_weights, n, dim, self.norm.eps))
-        operands = (xs, self._weighted_phi(), self._coefficient_params())
-
-        def xla(xs: jax.Array, w: jax.Array, params: tuple, *gain: jax.Array) -> tuple[jax.Array, ...]:
-            xs, u, h_post, h_res = collapse_streams(coefficients, pre, xs, w, params, kernels=False)
-            return xs, u if norm is None else rms_norm(u, gain[0], norm.eps), h_post, h_res
-
-        def tpu(xs: jax.Array, w: jax.Array, params: tuple, *gain: jax.Array) -> tuple[jax.Array, ...]:
-            return collapse_streams(coefficients, pre, xs, w, params, norm_weight=gain[0] if gain else None,
-                                    norm_eps=self.norm.eps if norm is None else norm.eps)
-
-        operands += () if norm is None else (norm.weight,)
+        operands = (xs, self._weighted_phi(), self._coefficient_params()) + (() if norm is None else (norm.weight,))
+        collapse = functools.partial(_collapse, coefficients, pre, None if norm is None else norm.eps)
         if mix_blocks(xs.shape[1], xs.shape[2]) is None:
-            return xla(*operands)
-        return platform_dependent(*operands, tpu=tpu, default=xla)
+            return collapse(*operands, kernels=False)
+        return platform_dependent(*operands, tpu=collapse, default=functools.partial(collapse, kernels=False))
+
+def _collapse(coefficients: Callable, pre: PreWeights, eps: float | None, xs: jax.Array, w: jax.Array, params: tuple,
+              *gain: jax.Array, kernels: bool = True) -> tuple[jax.Array, ...]:
+    """:func:`collapse_streams` of the connection's operands, normalising u with ``gain`` [D] and ``eps`` when a
+    gain is given."""
+    return collapse_streams(coefficients, pre, xs, w, params, norm_weight=gain[0] if gain else None,
+                            norm_eps=1e-6 if eps is None else eps, kernels=kernels)
 
 
 def _mhc_coefficients(mode: str, n: int, dim: int, eps: float, sinkhorn_iters: int, raw: jax.Array, ss: jax.Array,
