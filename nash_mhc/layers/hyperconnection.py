@@ -201,17 +201,18 @@ class HyperConnection(eqx.Module):
         n, dim = self.num_streams, xs.shape[2]
         pre = PreWeights(_pre_operand, functools.partial(_mhc_pre_weights, n, dim, self.norm.eps))
         operands = (xs, self._weighted_phi(), self._coefficient_params()) + (() if norm is None else (norm.weight,))
-        collapse = functools.partial(_collapse, coefficients, pre, None if norm is None else norm.eps)
+        collapse = functools.partial(_connection_collapse, coefficients, pre, None if norm is None else norm.eps)
         if mix_blocks(xs.shape[1], xs.shape[2]) is None:
             return collapse(*operands, kernels=False)
         return platform_dependent(*operands, tpu=collapse, default=functools.partial(collapse, kernels=False))
 
-def _collapse(coefficients: Callable, pre: PreWeights, eps: float | None, xs: jax.Array, w: jax.Array, params: tuple,
-              *gain: jax.Array, kernels: bool = True) -> tuple[jax.Array, ...]:
+
+def _connection_collapse(coefficients: Callable, pre: PreWeights, eps: float | None, xs: jax.Array, w: jax.Array,
+                         params: tuple, *gain: jax.Array, kernels: bool = True) -> tuple[jax.Array, ...]:
     """:func:`collapse_streams` of the connection's operands, normalising u with ``gain`` [D] and ``eps`` when a
     gain is given."""
-    return collapse_streams(coefficients, pre, xs, w, params, norm_weight=gain[0] if gain else None,
-                            norm_eps=1e-6 if eps is None else eps, kernels=kernels)
+    norm = {"norm_weight": gain[0], "norm_eps": eps} if gain else {}
+    return collapse_streams(coefficients, pre, xs, w, params, kernels=kernels, **norm)
 
 
 def _mhc_coefficients(mode: str, n: int, dim: int, eps: float, sinkhorn_iters: int, raw: jax.Array, ss: jax.Array,
