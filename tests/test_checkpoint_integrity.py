@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -469,6 +470,31 @@ def test_after_a_failed_restore_only_the_abandoned_reads_asyncio_reports_are_dro
         assert len(logger.filters) == len(others) + 1
     finally:
         logger.filters[:] = before
+
+
+def test_after_a_failed_restore_a_coroutine_orbax_never_awaited_draws_no_warning():
+    """A failed restore can leave a coroutine Orbax made but never awaited (``Store._get_array_metadatas``);
+    collected, often at exit, it draws a two-line RuntimeWarning after the one-line error. Once a restore has
+    failed that warning is dropped; other RuntimeWarnings are kept."""
+    async def _get_array_metadatas() -> None:
+        pass
+
+    def abandon() -> None:
+        coroutine = _get_array_metadatas()
+        del coroutine
+        gc.collect()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        abandon()
+        assert [str(w.message) for w in caught] == [  # what the filter is for
+            "coroutine 'test_after_a_failed_restore_a_coroutine_orbax_never_awaited_draws_no_warning.<locals>."
+            "_get_array_metadatas' was never awaited"]
+        caught.clear()
+        checkpoint._quiet_abandoned_tasks()
+        abandon()
+        warnings.warn("another runtime warning", RuntimeWarning, stacklevel=1)
+        assert [str(w.message) for w in caught] == ["another runtime warning"]
 
 
 def test_after_a_failed_restore_only_the_abandoned_reads_unraisable_reports_are_dropped(monkeypatch):

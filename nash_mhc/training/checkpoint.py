@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -193,13 +194,19 @@ class _AbandonedTaskFilter(logging.Filter):
         return not record.getMessage().startswith("Task exception was never retrieved")
 
 
+UNAWAITED_COROUTINE = r"coroutine '.*' was never awaited"  # nash_mhc has no coroutines: these are Orbax's
+
+
 def _quiet_abandoned_tasks() -> None:
-    """Installed when a restore has failed (idempotent): Orbax's other reads of that restore fail too, and when
-    their asyncio tasks are collected unawaited, asyncio logs each with a traceback after the one-line error.
-    Only those reports are dropped, and only once a failed restore has been reported."""
+    """Installed when a restore has failed (idempotent): Orbax's other reads of that restore fail too. When their
+    asyncio tasks are collected unawaited, asyncio logs each with a traceback after the one-line error, and a
+    coroutine Orbax made but never awaited (e.g. ``Store._get_array_metadatas``) draws Python's two-line
+    RuntimeWarning when it is collected, often at exit. Only those reports are dropped, and only once a failed
+    restore has been reported."""
     logger = logging.getLogger("asyncio")
     if not any(isinstance(f, _AbandonedTaskFilter) for f in logger.filters):
         logger.addFilter(_AbandonedTaskFilter())
+    warnings.filterwarnings("ignore", message=UNAWAITED_COROUTINE, category=RuntimeWarning)
 
 
 def find_checkpoint(path: paths.PathLike) -> tuple[paths.Path, int | None]:
