@@ -484,17 +484,22 @@ def test_after_a_failed_restore_a_coroutine_orbax_never_awaited_draws_no_warning
         del coroutine
         gc.collect()
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        abandon()
-        assert [str(w.message) for w in caught] == [  # what the filter is for
-            "coroutine 'test_after_a_failed_restore_a_coroutine_orbax_never_awaited_draws_no_warning.<locals>."
-            "_get_array_metadatas' was never awaited"]
-        caught.clear()
-        checkpoint._quiet_abandoned_tasks()
-        abandon()
-        warnings.warn("another runtime warning", RuntimeWarning, stacklevel=1)
-        assert [str(w.message) for w in caught] == ["another runtime warning"]
+    logger = logging.getLogger("asyncio")
+    before = list(logger.filters)  # _quiet_abandoned_tasks also filters asyncio's log: leave it as it was
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # the filter goes when the block ends
+            warnings.simplefilter("always")
+            abandon()
+            assert [str(w.message) for w in caught] == [  # what the filter is for
+                "coroutine 'test_after_a_failed_restore_a_coroutine_orbax_never_awaited_draws_no_warning.<locals>."
+                "_get_array_metadatas' was never awaited"]
+            caught.clear()
+            checkpoint._quiet_abandoned_tasks()
+            abandon()
+            warnings.warn("another runtime warning", RuntimeWarning, stacklevel=1)
+            assert [str(w.message) for w in caught] == ["another runtime warning"]
+    finally:
+        logger.filters[:] = before
 
 
 def test_after_a_failed_restore_only_the_abandoned_reads_unraisable_reports_are_dropped(monkeypatch):
