@@ -156,20 +156,24 @@ def test_under_a_mesh_each_shard_runs_the_kernels_on_its_tokens(normalised):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
 
 
-def test_kernels_that_accumulate_along_their_inner_grid_axis_declare_it_arbitrary():
+@pytest.mark.parametrize("normalised", [False, True], ids=["u", "norm"])
+def test_kernels_that_accumulate_along_their_inner_grid_axis_declare_it_arbitrary(normalised):
     """dH_pre sums over column tiles, dx sums dW over token tiles: a "parallel" inner axis would let a
-    megacore chip (v4, v5p) split the sum between its cores, which the interpreter cannot show."""
+    megacore chip (v4, v5p) split the sum between its cores, which the interpreter cannot show. With the norm,
+    dH_pre's kernel takes whole rows and writes each tile's part of the gain's gradient: no sum along its grid."""
     hc, x, _, _ = connection("mhc")
+    gain = jnp.ones(D, jnp.float32) if normalised else None
 
     def loss(x, w):
         _, u, h_post, h_res = collapse_streams(hc._coefficient_function(), pre_weights(hc), x, w,
-                                               hc._coefficient_params(), blocks=BLOCKS)
+                                               hc._coefficient_params(), norm_weight=gain, blocks=BLOCKS)
         return u.sum() + h_post.sum() + h_res.sum()
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, hc._weighted_phi())
     semantics = [eqn.params["compiler_params"].dimension_semantics for eqn in equations(jaxpr)
                  if eqn.primitive.name == "pallas_call"]
     # collapse (whole rows: no sum along the grid), dH_pre, dx
-    assert semantics == [("parallel",), ("parallel", "arbitrary"), ("parallel", "arbitrary")]
+    dh_pre = ("parallel",) if normalised else ("parallel", "arbitrary")
+    assert semantics == [("parallel",), dh_pre, ("parallel", "arbitrary")]
 
 
 @pytest.mark.parametrize("tokens,dim,want", [(8192, 2048, 128), (32768, 2048, 128), (4096, 768, 256), (48, 64, 16),
@@ -237,7 +241,16 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
         (rows, lambda t: t), (N * dim * coeffs * 4, lambda t: 0), (2 * N * 4, lambda t: 0), (dim * 4, lambda t: 0),
         (tm * coeffs * 4, lambda t: t), (tm * 4, lambda t: t), (tm * dim * x_bytes, lambda t: t),
         (tm * 4, lambda t: t), (tm * dim * x_bytes, lambda t: t)])
-    assert (normed.dh_pre, normed.dx) == (costs.dh_pre, costs.dx)
+    assert normed.dx == costs.dx
+    # and dH_pre's kernel walks the collapse's tiles of whole rows, running the norm's backward first: reads X, u,
+    # dy, inv and the gain (once), writes du, dH_pre and each tile's partial gain gradient; per token and feature
+    # x̂, dy · g, the mean's multiply-add, du's three and the gain gradient's multiply-add beside X_j du's n
+    assert normed.dh_pre.flops == (2 * N + 9) * tokens * dim
+    assert normed.dh_pre.transcendentals == 0
+    assert normed.dh_pre.bytes_accessed == moved((tokens // tm,), [
+        (rows, lambda t: t), (tm * dim * x_bytes, lambda t: t), (tm * dim * x_bytes, lambda t: t),
+        (tm * 4, lambda t: t), (dim * 4, lambda t: 0),
+        (tm * dim * x_bytes, lambda t: t), (tm * N * 4, lambda t: t), (dim * 4, lambda t: t)])
 
     def normed_loss(x, w, params, gain):
         _, y, h_post, h_res = collapse_streams(hc._coefficient_function(), pre_weights(hc), x, w, params,
@@ -246,4 +259,4 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
     lite_normed = kernel_costs(N, tokens, dim, lite[0], x_bytes, blocks, norm=True)
     gain = jax.ShapeDtypeStruct((dim,), jnp.float32)
     assert declared(jax.grad(normed_loss, argnums=(0, 1, 3)), x, w, params, gain) == [
-        lite_normed.collapse, lite_costs.dh_pre, lite_costs.dx]
+        lite_normed.collapse, lite_normed.dh_pre, lite_costs.dx]

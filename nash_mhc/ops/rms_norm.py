@@ -29,8 +29,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, inv: jax.Array | None 
 
 def rms_norm_backward(x: jax.Array, weight: jax.Array, inv: jax.Array, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(dx in x's dtype, dweight float32 [D]) of :func:`rms_norm` at x with the forward pass's ``inv``."""
+    dx, dweight = rms_norm_backward_rows(x.reshape(-1, x.shape[-1]), weight, inv.reshape(-1, 1),
+                                         dy.reshape(-1, x.shape[-1]))
+    return dx.reshape(x.shape), dweight[0]
+
+
+def rms_norm_backward_rows(x: jax.Array, weight: jax.Array, inv: jax.Array, dy: jax.Array
+                           ) -> tuple[jax.Array, jax.Array]:
+    """:func:`rms_norm_backward` of rows x [T, D] (inv [T, 1]): dweight summed over them, float32 [1, D] (the
+    form a TPU kernel computes on a tile of whole rows, ``nash_mhc.ops.stream_collapse``)."""
     xhat = x.astype(F32) * inv
     dyw = dy.astype(F32) * weight
     dx = inv * (dyw - xhat * jnp.mean(dyw * xhat, axis=-1, keepdims=True))
-    dweight = jnp.sum((dy.astype(F32) * xhat).reshape(-1, x.shape[-1]), axis=0)
-    return dx.astype(x.dtype), dweight
+    return dx.astype(x.dtype), jnp.sum(dy.astype(F32) * xhat, axis=0, keepdims=True)

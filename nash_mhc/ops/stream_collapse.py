@@ -13,9 +13,10 @@ The collapse kernel walks token tiles of whole rows ([n, tokens, D]), so a tile'
 its u is summed: X is read once in the forward pass, where separate stats and u kernels read it twice (one pass
 over the streams more per sublayer, three per layer under grouped remat; docs/tpu.md). Given the sublayer's
 RMSNorm gain (``norm_weight``), the kernel also normalises each tile of u where it writes it and returns
-y = RMSNorm(u) in u's place, with the norm's statistic inv [T, 1] beside it for the backward pass (which runs
-the norm's backward in XLA, then the kernels below): XLA's two passes over u for the norm's statistic and its
-output are not made. ``pre`` gives the kernel
+y = RMSNorm(u) in u's place, with the norm's statistic inv [T, 1] beside it for the backward pass, whose "dh_pre"
+kernel then also walks token tiles of whole rows and runs the norm's backward before its own sums (du written
+once, where an XLA pass wrote it and the kernel read it back): XLA's passes over u for the norm's statistic and
+output, and for its backward, are not made. ``pre`` gives the kernel
 H_pre's part of ``coefficients`` (a per-token function of raw, ss and a small float32 operand made from the
 parameters), which must equal ``coefficients``'s H_pre.
 
@@ -26,6 +27,7 @@ it, inside the same write as the collapse's own terms (so the update's dX = H_re
 back: one pass over the streams less per sublayer). The pass-through X may feed only that update. Backward, from
 (g, du, dH_post, dH_res):
 
+    du = RMSNorm's backward from y's cotangent, when the collapse normalised u   kernel "dh_pre"  (reads u, dy)
     dH_pre[:, j] = sum_d du X_j                                       kernel "dh_pre"  (reads X, du)
     (d_raw, d_ss, d_params) = vjp(coefficients)(dH_pre, dH_post, dH_res)            (XLA, [T, C]-sized)
     dX_j = sum_i H_res[:, i, j] g_i + H_pre[:, j] du + 2 d_ss X_j + d_raw W_jᵀ   kernel "dx"  (reads X, g, du)
@@ -54,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from nash_mhc.ops.rms_norm import rms_inverse, rms_norm, rms_norm_backward
+from nash_mhc.ops.rms_norm import rms_inverse, rms_norm, rms_norm_backward, rms_norm_backward_rows
 from nash_mhc.ops.stream_mix import TOKEN_BLOCKS, mix_blocks, res_transpose
 from nash_mhc.sharding import per_shard
 
@@ -94,6 +96,10 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
     dtype) and its float32 [T, 1] statistic: per token and feature a multiply-add for the sum of squares and two
     multiplies, one rsqrt per token, reading the float32 [1, D] gain once.
     dh_pre: one multiply-add per stream, token and column; reads X and du, writes dH_pre (float32 [T, n]).
+    ``norm``: dh_pre walks token tiles of whole rows (``blocks[0]``) and runs the norm's backward first: reads
+    X, u, dy (X's dtype), inv (float32 [T, 1]) and the gain (float32 [1, D], once), writes du (X's dtype),
+    dH_pre and each tile's partial gain gradient (float32 [1, D]); per token and feature 9 FLOPs more (x̂, dy · g,
+    the mean's multiply-add, du's three, the gain gradient's multiply-add).
     dx: per stream, token and column 2 C multiply-adds (d_raw W_jᵀ, and X_jᵀ d_raw for dW), n for H_resᵀ g and two
     more (H_pre du, 2 d_ss X); reads X, g, du, the per-token scalars [T, n + 1 + n²] and d_raw [T, C] (float32) once
     per column tile (the grid walks the tokens innermost), W once; writes dX and dWᵀ (float32 [n, C, D], each
@@ -109,6 +115,10 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
                                    bytes_accessed=collapse.bytes_accessed + slab + dim * 4 + tokens * 4)
     # dh_pre: X, one [T, D] slab (du) and one float32 [T, n] (dH_pre written)
     dh_pre = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
+    if norm:
+        dh_pre = pl.CostEstimate(flops=(2 * n + 9) * elems, transcendentals=0,
+                                 bytes_accessed=stream + 3 * slab + tokens * 4 + dim * 4 + tokens * n * 4
+                                 + tokens // blocks[0] * dim * 4)
     per_token = tokens * (n + 1 + n * n + coeffs) * 4
     dx = pl.CostEstimate(flops=2 * (2 * coeffs + n + 2) * n * elems, transcendentals=0,
                          bytes_accessed=3 * stream + slab + column_tiles * per_token + 2 * n * coeffs * dim * 4)
@@ -142,18 +152,31 @@ def _collapse_kernel(pre_weights, eps, x_ref, w_ref, p_ref, *refs):
 
 
 def _dh_pre_kernel(x_ref, du_ref, out_ref):
-    n = x_ref.shape[0]
-    du = du_ref[...].astype(F32)
-    lane = lax.broadcasted_iota(jnp.int32, out_ref.shape, 1)
-    partial = jnp.zeros(out_ref.shape, F32)
-    for j in range(n):
-        partial = jnp.where(lane == j, jnp.sum(x_ref[j].astype(F32) * du, axis=1, keepdims=True), partial)
+    partial = _stream_dots(x_ref, du_ref[...].astype(F32), out_ref.shape)
 
     @pl.when(pl.program_id(1) == 0)
     def _start():
         out_ref[...] = jnp.zeros(out_ref.shape, F32)
 
     out_ref[...] += partial
+
+
+def _norm_dh_pre_kernel(x_ref, u_ref, dy_ref, inv_ref, gain_ref, du_ref, dh_ref, dgain_ref):
+    """The sublayer's RMSNorm backward on a tile of whole rows (du from dy, and the tile's part of the gain's
+    gradient), then dH_pre from the rounded du: du is written once and not read back."""
+    du, dgain_ref[...] = rms_norm_backward_rows(u_ref[...], gain_ref[...], inv_ref[...], dy_ref[...])
+    du = du.astype(du_ref.dtype)
+    du_ref[...] = du
+    dh_ref[...] = _stream_dots(x_ref, du.astype(F32), dh_ref.shape)
+
+
+def _stream_dots(x_ref, du, shape):
+    """[tm, n] float32: column j the row sums of X_j du over this tile's columns."""
+    lane = lax.broadcasted_iota(jnp.int32, shape, 1)
+    out = jnp.zeros(shape, F32)
+    for j in range(x_ref.shape[0]):
+        out = jnp.where(lane == j, jnp.sum(x_ref[j].astype(F32) * du, axis=1, keepdims=True), out)
+    return out
 
 
 def _dx_kernel(x_ref, g_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_ref):
@@ -252,6 +275,30 @@ def _dh_pre(x, du, *, blocks, interpret, kernels=True):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(x, du)
 
 
+def _norm_dh_pre(x, u, dy, inv, gain, *, blocks, interpret, kernels=True):
+    """(du in X's dtype, dH_pre [T, n] float32, the gain's gradient [D] float32) of the sublayer's RMSNorm at u
+    (statistic inv [T, 1], gain [D]) from y's cotangent dy: one kernel on token tiles of whole rows (the collapse
+    kernel's, :func:`_row_tile`), or the norm's backward in XLA and :func:`_dh_pre` where none fits this shard."""
+    n, tokens, dim = x.shape
+    tm = _row_tile(blocks, n, tokens, dim) if kernels else None
+    if tm is None:
+        du, dgain = rms_norm_backward(u, gain, inv, dy)
+        du = du.astype(x.dtype)
+        return du, _dh_pre(x, du, blocks=blocks, interpret=interpret, kernels=kernels), dgain
+    rows = pl.BlockSpec((tm, dim), lambda t: (t, 0))
+    du, dh, dgain = pl.pallas_call(
+        _norm_dh_pre_kernel, grid=(tokens // tm,),
+        in_specs=[pl.BlockSpec((n, tm, dim), lambda t: (0, t, 0)), rows, rows, pl.BlockSpec((tm, 1), lambda t: (t, 0)),
+                  pl.BlockSpec((1, dim), lambda t: (0, 0))],
+        out_specs=[rows, pl.BlockSpec((tm, n), lambda t: (t, 0)), pl.BlockSpec((None, 1, dim), lambda t: (t, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((tokens, dim), x.dtype), jax.ShapeDtypeStruct((tokens, n), F32),
+                   jax.ShapeDtypeStruct((tokens // tm, 1, dim), F32)],
+        cost_estimate=kernel_costs(n, tokens, dim, 0, x.dtype.itemsize, (tm, dim), norm=True).dh_pre,
+        interpret=interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))(
+            x, u, dy, inv, gain.reshape(1, dim))
+    return du, dh, jnp.sum(dgain, axis=(0, 1))
+
+
 def _dx(x, g, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
     """(dX [n, T, D], dW [n, D, C] float32 = X_jᵀ d_raw) on grid (column tile, token tile): W's column tile and
     dW's stay put while the tokens walk, dW summing over them. The kernel writes dWᵀ [n, C, D] (d_rawᵀ X_j: the
@@ -346,11 +393,16 @@ def _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals,
     x, w, h_pre, h_res, pullback, norm = residuals
     g, du, dh_post, dh_res = cotangents  # g: the stream update's output cotangent (module docstring)
     dgain = None
-    if norm is not None:  # du is y's cotangent: RMSNorm's backward pass from the forward's inv (XLA)
-        du, dgain = rms_norm_backward(*norm, du)
-    du = du.astype(x.dtype)
-    dh_pre = _on_shards(kernels, functools.partial(_dh_pre, blocks=blocks, interpret=interpret, kernels=kernels),
-                        (STREAMS, TOKENS), ("tokens", "streams"))(x, du)
+    if norm is None:
+        du = du.astype(x.dtype)
+        dh_pre = _on_shards(kernels, functools.partial(_dh_pre, blocks=blocks, interpret=interpret, kernels=kernels),
+                            (STREAMS, TOKENS), ("tokens", "streams"))(x, du)
+    else:  # du is y's cotangent: RMSNorm's backward pass from the forward's inv, then dH_pre, in one kernel on TPU
+        u, gain, inv = norm
+        du, dh_pre, dgain = _on_shards(
+            kernels, functools.partial(_norm_dh_pre, blocks=blocks, interpret=interpret, kernels=kernels),
+            (STREAMS, TOKENS, TOKENS, ("tokens", "norm"), ("norm",)), (TOKENS, ("tokens", "streams"), ("norm",)),
+            sums=(None, None, "tokens"))(x, u, du, inv, gain)
     draw, dss, dparams = pullback((dh_pre, dh_post.astype(F32), dh_res.astype(F32)))
     scalars = jnp.concatenate([h_pre, 2.0 * dss[:, None], h_res.reshape(h_res.shape[0], -1)], axis=1)
     dx, dw = _on_shards(kernels, functools.partial(_dx, blocks=blocks, interpret=interpret, kernels=kernels),
@@ -371,7 +423,8 @@ def collapse_streams(coefficients: Coefficients, pre: PreWeights, x: jax.Array, 
     shard (:func:`nash_mhc.sharding.per_shard`). With ``norm_weight`` [D] (float32) the second output is the
     sublayer's normalised input y = RMSNorm(u) (:func:`nash_mhc.ops.rms_norm.rms_norm`, ``norm_eps``) instead of u:
     the collapse kernel normalises each tile of u where it writes it (y and the statistic written beside u, which
-    the backward pass keeps), so XLA's two passes over u for the norm's statistic and output are not made.
+    the backward pass keeps, running the norm's backward inside the dH_pre kernel), so XLA's passes over u for the
+    norm's statistic, output and backward are not made.
 
     ``x`` [n, T, D] (any float dtype), ``w`` [n, D, C] float32, ``params`` a pytree of arrays that
     ``coefficients(raw [T, C], ss [T], params)`` reads (it returns H_pre [T, n], H_post [T, n], H_res [T, n, n]);
