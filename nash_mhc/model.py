@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int, jaxtyped
 from nash_mhc.config import ModelConfig
 from nash_mhc.layers.attention import MultiscaleAttention
 from nash_mhc.layers.ffn import SwiGLU
-from nash_mhc.layers.hyperconnection import HyperConnection
+from nash_mhc.layers.hyperconnection import HyperConnection, connect_pair
 from nash_mhc.layers.init import EMBED_STD, normal
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.matmul import f32_einsum
@@ -168,9 +168,10 @@ class Block(eqx.Module):
             return rearrange(y, "b t d -> (b t) d")
 
         tokens = rearrange(xs, "n b t d -> n (b t) d")
-        # each connection applies its sublayer's pre-norm (mhc on TPU: inside its collapse kernel)
-        tokens, res_attn = self.attn_hc.streams_major(tokens, attention, self.attn_norm)
-        tokens, res_ffn = self.ffn_hc.streams_major(tokens, self.ffn, self.ffn_norm)
+        # each connection applies its sublayer's pre-norm (mhc on TPU: inside its collapse kernel, which for the
+        # FFN also makes the attention's stream update)
+        tokens, res_attn, res_ffn = connect_pair(tokens, (self.attn_hc, attention, self.attn_norm),
+                                                 (self.ffn_hc, self.ffn, self.ffn_norm))
         res = rearrange(jnp.stack([res_attn, res_ffn]), "s (b t) i j -> s b t i j", b=batch)
         return (constrain_batch(rearrange(tokens, "n (b t) d -> n b t d", b=batch), dim=1),
                 BlockStats(*found["stats"], res))

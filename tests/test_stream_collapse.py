@@ -17,6 +17,7 @@ from helpers import declared, equations, moved
 
 from nash_mhc.layers.hyperconnection import HyperConnection, _mhc_pre_weights, _pre_operand
 from nash_mhc.ops.stream_collapse import PreWeights, _row_tile, collapse_streams, kernel_costs
+from nash_mhc.ops.stream_mix import kernel_costs as mix_costs
 from nash_mhc.ops.stream_mix import stream_mix
 from nash_mhc.sharding import make_mesh
 
@@ -128,6 +129,88 @@ def test_the_collapse_normalises_u_for_the_sublayer_like_the_float64_reference(k
                                    atol=2e-4 * np.abs(want) + 1e-3, err_msg=f"argument {k}")
 
 
+def pair_loss(hc1, hc2, x, gain1, gain2, s, s2, w, kernels=True, blocks=BLOCKS):
+    """sum(w ⊙ X'') of two connections in a row, each sublayer RMSNorm(u) ⊙ s normalised by its collapse, the
+    first's stream update made by the second's collapse (``update=``; kernels in the interpreter, or the XLA form)."""
+    def collapse(hc, x, gain, update=None):
+        return collapse_streams(hc._coefficient_function(), pre_weights(hc), x, hc._weighted_phi(),
+                                hc._coefficient_params(), norm_weight=gain, norm_eps=NORM_EPS, blocks=blocks,
+                                interpret=True, kernels=kernels, update=update)
+    xs, y, h_post, h_res = collapse(hc1, x, gain1)
+    xs, y2, h_post2, h_res2 = collapse(hc2, xs, gain2, update=(y * s.astype(y.dtype), h_res, h_post))
+    out = stream_mix(xs, y2 * s2.astype(y2.dtype), h_res2, h_post2, blocks=blocks, interpret=True, kernels=kernels,
+                     defer=True)
+    return jnp.sum(w * out.astype(jnp.float32))
+
+
+def reference_pair_loss(values, s, s2, w, eps, iters):
+    """The same loss in float64 NumPy: ``values`` = the two connections' parameters (6 each), X [n, T, D], the two
+    gains."""
+    p1, p2, x, gain1, gain2 = values[:6], values[6:12], values[12], values[13], values[14]
+    xt = np.swapaxes(x, 0, 1)
+    for params, gain, scale in ((p1, gain1, s), (p2, gain2, s2)):
+        norm_weight, phi, alpha, b_pre, b_post, b_res = params
+        coefficients = ref.mhc_coefficients(xt, norm_weight, phi, alpha, b_pre, b_post, b_res, eps=eps,
+                                            sinkhorn_iters=iters)
+        xt = ref.connection(xt, coefficients,
+                            lambda u, gain=gain, scale=scale: ref.rms_norm(u, gain, NORM_EPS) * ref.f64(scale))
+    return float(np.sum(np.swapaxes(xt, 0, 1) * ref.f64(w)))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "xla"])
+def test_a_collapse_that_makes_the_previous_update_matches_the_float64_reference(kernels):
+    """Two connections in a row, the second's collapse making the first's stream update (``update=``: on TPU one
+    kernel writes the updated streams and collapses them), as the model's layer runs attention and FFN: the loss
+    and every gradient (both connections' parameters, X, both gains) against central differences of the float64
+    reference of the two connections one after the other."""
+    hc1, x, s, w = connection("mhc", seed=5)
+    hc2, _, s2, _ = connection("mhc", seed=6)
+    rng = np.random.default_rng(10)
+    gains = [jnp.asarray(1 + 0.3 * rng.normal(size=D), jnp.float32) for _ in range(2)]
+    loss_value, grads = jax.value_and_grad(
+        lambda hc1, hc2, x, g1, g2: pair_loss(hc1, hc2, x, g1, g2, s, s2, w, kernels=kernels),
+        argnums=(0, 1, 2, 3, 4))(hc1, hc2, x, *gains)
+    got = parameters(grads[0]) + parameters(grads[1]) + list(grads[2:])
+    values = [np.asarray(a, np.float64) for a in parameters(hc1) + parameters(hc2) + [x, *gains]]
+    eps = 1e-4
+
+    def loss(delta, k):
+        return reference_pair_loss([a + delta if i == k else a for i, a in enumerate(values)], s, s2, w,
+                                   hc1.norm.eps, hc1.sinkhorn_iters)
+    np.testing.assert_allclose(float(loss_value), loss(0.0, 0), rtol=1e-5)
+    for k, (value, grad) in enumerate(zip(values, got, strict=True)):
+        v = rng.normal(size=value.shape)
+        want = (loss(eps * v, k) - loss(-eps * v, k)) / (2 * eps)
+        np.testing.assert_allclose(float(np.sum(np.asarray(grad, np.float64) * v)), want, rtol=2e-4,
+                                   atol=2e-4 * np.abs(want) + 1e-3, err_msg=f"argument {k}")
+
+
+def test_the_update_inside_the_collapse_gives_the_bits_of_the_update_then_the_collapse():
+    """bfloat16 streams: the second collapse taking the first's update (kernels, interpreter) gives the loss and
+    gradients, bit for bit, of stream_mix's update followed by a plain collapse (the CPU's path in the model)."""
+    hc1, x, s, w = connection("mhc", seed=7)
+    hc2, _, s2, _ = connection("mhc", seed=8)
+    x = x.astype(jnp.bfloat16)
+
+    def separate(hc1, hc2, x):
+        def collapse(hc, x):
+            return collapse_streams(hc._coefficient_function(), pre_weights(hc), x, hc._weighted_phi(),
+                                    hc._coefficient_params(), norm_weight=hc.norm.weight[:D], norm_eps=NORM_EPS,
+                                    blocks=BLOCKS, interpret=True)
+        xs, y, h_post, h_res = collapse(hc1, x)
+        xs = stream_mix(xs, y * s.astype(y.dtype), h_res, h_post, blocks=BLOCKS, interpret=True, defer=True)
+        xs, y2, h_post2, h_res2 = collapse(hc2, xs)
+        out = stream_mix(xs, y2 * s2.astype(y2.dtype), h_res2, h_post2, blocks=BLOCKS, interpret=True, defer=True)
+        return jnp.sum(w * out.astype(jnp.float32))
+
+    def fused(hc1, hc2, x):
+        return pair_loss(hc1, hc2, x, hc1.norm.weight[:D], hc2.norm.weight[:D], s, s2, w)
+    want = jax.jit(jax.value_and_grad(separate, argnums=(0, 1, 2)))(hc1, hc2, x)
+    got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(hc1, hc2, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_bfloat16_streams_follow_the_xla_path_within_bfloat16_rounding():
     """The kernels' gradients for bf16 streams against the HyperConnection's XLA path (the same rules in XLA)."""
     hc, x, s, w = connection("mhc", seed=2)
@@ -152,6 +235,21 @@ def test_under_a_mesh_each_shard_runs_the_kernels_on_its_tokens(normalised):
     one = grad(hc, x, gain)
     with jax.set_mesh(make_mesh(2, 2, 2)):
         sharded = grad(hc, x, gain)
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(one), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
+
+
+def test_under_a_mesh_the_collapse_that_makes_the_update_runs_on_each_shard():
+    """The pair of connections, the second's collapse making the first's update, under (data 2, fsdp 2, tp 2): every
+    kernel, the update's deferred backward included, on each shard's 32 tokens; gradients equal one device's to
+    float32 rounding."""
+    hc1, x, s, w = connection("mhc", seed=11, tokens=128)
+    hc2, _, s2, _ = connection("mhc", seed=12, tokens=128)
+    grad = jax.jit(jax.grad(lambda hc1, hc2, x: pair_loss(hc1, hc2, x, hc1.norm.weight[:D], hc2.norm.weight[:D], s,
+                                                          s2, w), argnums=(0, 1, 2)))
+    one = grad(hc1, hc2, x)
+    with jax.set_mesh(make_mesh(2, 2, 2)):
+        sharded = grad(hc1, hc2, x)
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(one), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
 
@@ -260,3 +358,45 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
     gain = jax.ShapeDtypeStruct((dim,), jnp.float32)
     assert declared(jax.grad(normed_loss, argnums=(0, 1, 3)), x, w, params, gain) == [
         lite_normed.collapse, lite_normed.dh_pre, lite_costs.dx]
+
+
+@pytest.mark.parametrize("tokens,dim,blocks,x_bytes", [(32, 256, (16, 128), 4), (32768, 2048, (256, 512), 2)])
+def test_the_collapse_that_makes_the_update_declares_the_updates_bytes_but_no_second_read(tokens, dim, blocks, x_bytes):
+    """With ``update``, the collapse kernel also reads the previous X, y, H_res and H_post and writes the updated X
+    (its n (n + 1) multiply-adds per token and feature), then collapses that from VMEM: against the grid's walk,
+    and the kernels of the pair's gradient: the fused forward, dH_pre (with the norm), dx and the update's
+    deferred backward."""
+    tm = blocks[0]
+    coeffs = 2 * N + N * N
+    rows, slab = N * tm * dim * x_bytes, tm * dim * x_bytes
+    costs = kernel_costs(N, tokens, dim, coeffs, x_bytes, blocks, norm=True, update_bytes=x_bytes)
+    plain = kernel_costs(N, tokens, dim, coeffs, x_bytes, blocks, norm=True)
+    assert costs.collapse.flops == plain.collapse.flops + 2 * N * (N + 1) * tokens * dim
+    assert costs.collapse.transcendentals == plain.collapse.transcendentals
+    assert costs.collapse.bytes_accessed == moved((tokens // tm,), [
+        (rows, lambda t: t), (slab, lambda t: t), (tm * N * N * 4, lambda t: t), (tm * N * 4, lambda t: t),  # X, y, H
+        (N * dim * coeffs * 4, lambda t: 0), (2 * N * 4, lambda t: 0), (dim * 4, lambda t: 0),  # W, operand, gain
+        (rows, lambda t: t),  # the updated X, written
+        (tm * coeffs * 4, lambda t: t), (tm * 4, lambda t: t), (slab, lambda t: t), (tm * 4, lambda t: t),
+        (slab, lambda t: t)])  # raw, ss, u, inv, y
+    assert (costs.dh_pre, costs.dx) == (plain.dh_pre, plain.dx)
+
+    # mhc-lite: no Sinkhorn, whose own kernels would join the list
+    hc = jax.eval_shape(lambda: HyperConnection("mhc-lite", N, dim, key=jax.random.key(0)))
+    lite = 2 * N + 24  # n! = 24 permutation columns
+    dtype = {2: jnp.bfloat16, 4: jnp.float32}[x_bytes]
+    x = jax.ShapeDtypeStruct((N, tokens, dim), dtype)
+    y = jax.ShapeDtypeStruct((tokens, dim), dtype)
+    h_res, h_post = jax.ShapeDtypeStruct((tokens, N, N), jnp.float32), jax.ShapeDtypeStruct((tokens, N), jnp.float32)
+    w = jax.ShapeDtypeStruct((N, dim, lite), jnp.float32)
+    params = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((3,), (N,), (N,), (24,)))
+    gain = jax.ShapeDtypeStruct((dim,), jnp.float32)
+
+    def loss(x, y, h_res, h_post, w, params, gain):
+        xs, y2, h_post2, h_res2 = collapse_streams(hc._coefficient_function(), pre_weights(hc), x, w, params,
+                                                   norm_weight=gain, blocks=blocks, update=(y, h_res, h_post))
+        return xs.astype(jnp.float32).sum() + y2.astype(jnp.float32).sum() + h_post2.sum() + h_res2.sum()
+    lite_costs = kernel_costs(N, tokens, dim, lite, x_bytes, blocks, norm=True, update_bytes=x_bytes)
+    assert declared(jax.grad(loss, argnums=tuple(range(7))), x, y, h_res, h_post, w, params, gain) == [
+        lite_costs.collapse, lite_costs.dh_pre, lite_costs.dx,
+        mix_costs(N, tokens, dim, x_bytes, x_bytes).deferred_backward]

@@ -62,6 +62,7 @@ from nash_mhc.params import param
 from nash_mhc.sharding import per_shard
 
 ALPHA_INIT = 0.01
+MHC_MODES = ("mhc", "mhc-lite")  # the connections whose collapse is collapse_streams (and can take an update)
 LITE_OTHER_LOGIT = -8.0  # mhc-lite: b_perm of every permutation but the identity (which gets 0)
 
 
@@ -103,7 +104,7 @@ class HyperConnection(eqx.Module):
             return
         self.alpha = jnp.full((3,), ALPHA_INIT, jnp.float32)
         eye = jnp.eye(n, dtype=jnp.float32)
-        if self.mode in ("mhc", "mhc-lite"):
+        if self.mode in MHC_MODES:
             res_columns = n * n if self.mode == "mhc" else math.factorial(n)
             self.norm = RMSNorm(n * dim, eps)
             self.phi = jax.random.normal(key, (n * dim, 2 * n + res_columns), jnp.float32) / math.sqrt(n * dim)
@@ -190,29 +191,58 @@ class HyperConnection(eqx.Module):
         xs, u, h_post, h_res = self._mhc_collapse(xs, norm)
         return mix_streams(xs, sublayer(u), h_res, h_post, defer=True), h_res
 
-    def _mhc_collapse(self, xs: Float[Array, "n seq dim"], norm: RMSNorm | None = None) -> tuple[
+    def _mhc_collapse(self, xs: Float[Array, "n seq dim"], norm: RMSNorm | None = None,
+                      update: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[
             Float[Array, "n seq dim"], Float[Array, "seq dim"], Float[Array, "seq n"], Float[Array, "seq n n"]]:
         """(X, u = sum_k H_pre[k] X[k], or norm(u) when a norm is given, H_post, H_res) of mhc / mhc-lite:
         :func:`nash_mhc.ops.stream_collapse.collapse_streams` with the norm's gain inside its custom VJP on every
         platform. Lowered for TPU, its Pallas kernels (the raw projection and sum of squares, then u and its norm,
         forward, in one kernel; the stream gradients and dW backward); elsewhere (and where no token tile divides
-        T) its XLA form (``kernels=False``: the same functions and backward rule with the kernels' slab forms)."""
+        T) its XLA form (``kernels=False``: the same functions and backward rule with the kernels' slab forms).
+
+        ``update`` = (y, H_res, H_post) of the previous mhc sublayer, whose collapse's pass-through X ``xs`` is:
+        the streams are first updated, X' = H_res X + H_post (x) y, and X' is collapsed and passed through. On TPU
+        the collapse kernel makes the update (``collapse_streams(update=...)``); elsewhere the update is
+        :func:`mix_streams`' XLA form, then the collapse, as two separate calls."""
         coefficients = self._coefficient_function()
         n, dim = self.num_streams, xs.shape[2]
         pre = PreWeights(_pre_operand, functools.partial(_mhc_pre_weights, n, dim, self.norm.eps))
-        operands = (xs, self._weighted_phi(), self._coefficient_params()) + (() if norm is None else (norm.weight,))
-        collapse = functools.partial(_connection_collapse, coefficients, pre, None if norm is None else norm.eps)
+        gain = () if norm is None else (norm.weight,)
+        operands = (xs, *(update or ()), self._weighted_phi(), self._coefficient_params(), *gain)
+        collapse = functools.partial(_connection_collapse, coefficients, pre, None if norm is None else norm.eps,
+                                     update is not None)
         if mix_blocks(xs.shape[1], xs.shape[2]) is None:
             return collapse(*operands, kernels=False)
         return platform_dependent(*operands, tpu=collapse, default=functools.partial(collapse, kernels=False))
 
 
-def _connection_collapse(coefficients: Callable, pre: PreWeights, eps: float | None, xs: jax.Array, w: jax.Array,
-                         params: tuple, *gain: jax.Array, kernels: bool = True) -> tuple[jax.Array, ...]:
-    """:func:`collapse_streams` of the connection's operands, normalising u with ``gain`` [D] and ``eps`` when a
-    gain is given."""
+def _connection_collapse(coefficients: Callable, pre: PreWeights, eps: float | None, update: bool, xs: jax.Array,
+                         *operands: jax.Array | tuple, kernels: bool = True) -> tuple[jax.Array, ...]:
+    """:func:`collapse_streams` of the connection's operands (xs, [y, H_res, H_post,] w, params[, gain]),
+    normalising u with ``gain`` [D] and ``eps`` when a gain is given. With ``update``, the previous sublayer's
+    update of xs first: inside the collapse's kernel with ``kernels``, else by :func:`mix_streams`' XLA form."""
+    mixing, (w, params, *gain) = (operands[:3], operands[3:]) if update else ((), operands)
     norm = {"norm_weight": gain[0], "norm_eps": eps} if gain else {}
-    return collapse_streams(coefficients, pre, xs, w, params, kernels=kernels, **norm)
+    if update and not kernels:
+        xs, mixing = stream_mix(xs, *mixing, kernels=False, defer=True), ()
+    return collapse_streams(coefficients, pre, xs, w, params, kernels=kernels, update=mixing or None, **norm)
+
+
+def connect_pair(xs: Float[Array, "n seq dim"], first: tuple[HyperConnection, Sublayer, RMSNorm | None],
+                 second: tuple[HyperConnection, Sublayer, RMSNorm | None]
+                 ) -> tuple[Float[Array, "n seq dim"], Float[Array, "seq n n"], Float[Array, "seq n n"]]:
+    """Two sublayers in a row, each (connection, sublayer, its pre-norm): (X, first H_res, second H_res), what
+    ``second[0].streams_major(first[0].streams_major(xs, ...)[0], ...)`` gives. When both connections are mhc or
+    mhc-lite, the first's stream update is made by the second's collapse (:meth:`HyperConnection._mhc_collapse`
+    with ``update``), which on TPU writes the updated streams on its way instead of reading them back."""
+    (hc1, sublayer1, norm1), (hc2, sublayer2, norm2) = first, second
+    if hc1.mode not in MHC_MODES or hc2.mode not in MHC_MODES:
+        xs, res1 = hc1.streams_major(xs, sublayer1, norm1)
+        xs, res2 = hc2.streams_major(xs, sublayer2, norm2)
+        return xs, res1, res2
+    xs, u, h_post, h_res = hc1._mhc_collapse(xs, norm1)
+    xs, u2, h_post2, h_res2 = hc2._mhc_collapse(xs, norm2, update=(sublayer1(u), h_res, h_post))
+    return mix_streams(xs, sublayer2(u2), h_res2, h_post2, defer=True), h_res, h_res2
 
 
 def _mhc_coefficients(mode: str, n: int, dim: int, eps: float, sinkhorn_iters: int, raw: jax.Array, ss: jax.Array,

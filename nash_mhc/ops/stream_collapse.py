@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nash_mhc.ops.rms_norm import rms_inverse, rms_norm, rms_norm_backward, rms_norm_backward_rows
-from nash_mhc.ops.stream_mix import TOKEN_BLOCKS, mix_blocks, res_transpose
+from nash_mhc.ops.stream_mix import TOKEN_BLOCKS, mix_backward, mix_blocks, mix_kernel, mix_slabs, res_transpose
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
@@ -85,7 +85,7 @@ class KernelCosts:
 
 
 def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int, blocks: tuple[int, int],
-                 pre_rows: int = 2, norm: bool = False) -> KernelCosts:
+                 pre_rows: int = 2, norm: bool = False, update_bytes: int | None = None) -> KernelCosts:
     """FLOPs and HBM bytes of the kernels for X [n, T, D] of itemsize ``x_bytes`` (u and g too) and C
     coefficient columns, on tiles ``blocks`` = (token tile, column tile).
 
@@ -103,7 +103,12 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
     dx: per stream, token and column 2 C multiply-adds (d_raw W_jᵀ, and X_jᵀ d_raw for dW), n for H_resᵀ g and two
     more (H_pre du, 2 d_ss X); reads X, g, du, the per-token scalars [T, n + 1 + n²] and d_raw [T, C] (float32) once
     per column tile (the grid walks the tokens innermost), W once; writes dX and dWᵀ (float32 [n, C, D], each
-    column tile's block once, after the tokens' sum)."""
+    column tile's block once, after the tokens' sum).
+    ``update_bytes`` (the itemsize of the previous sublayer's output y, when the collapse kernel first makes that
+    sublayer's stream update, ``collapse_streams(update=...)``): the collapse also reads the previous X (n slabs),
+    y, H_res and H_post (float32 [T, n²], [T, n]) and writes the updated X, which it then reads from VMEM, not again
+    from HBM; per token and feature n (n + 1) multiply-adds more (:func:`nash_mhc.ops.stream_mix.kernel_costs`'
+    forward)."""
     n, elems = streams, tokens * dim
     column_tiles = dim // blocks[1]
     stream, slab = n * elems * x_bytes, elems * x_bytes
@@ -113,6 +118,11 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
     if norm:
         collapse = pl.CostEstimate(flops=collapse.flops + 4 * elems, transcendentals=collapse.transcendentals + tokens,
                                    bytes_accessed=collapse.bytes_accessed + slab + dim * 4 + tokens * 4)
+    if update_bytes is not None:
+        collapse = pl.CostEstimate(flops=collapse.flops + 2 * n * (n + 1) * elems,
+                                   transcendentals=collapse.transcendentals,
+                                   bytes_accessed=collapse.bytes_accessed + stream + elems * update_bytes
+                                   + tokens * (n * n + n) * 4)
     # dh_pre: X, one [T, D] slab (du) and one float32 [T, n] (dH_pre written)
     dh_pre = pl.CostEstimate(flops=2 * n * elems, transcendentals=0, bytes_accessed=stream + slab + tokens * n * 4)
     if norm:
@@ -149,6 +159,15 @@ def _collapse_kernel(pre_weights, eps, x_ref, w_ref, p_ref, *refs):
         inv = rms_inverse(u, eps)
         inv_ref[...] = inv
         y_ref[...] = rms_norm(u, gain_ref[...], eps, inv)
+
+
+def _update_collapse_kernel(pre_weights, eps, x_ref, y_ref, res_ref, post_ref, w_ref, p_ref, *refs):
+    """The previous sublayer's stream update X' = H_res X + H_post (x) y on a tile of whole rows (stream_mix's
+    kernel), written once, then the collapse of X' (:func:`_collapse_kernel`) from that tile in VMEM."""
+    gains = 0 if eps is None else 1
+    gain, (xu_ref, *outs) = refs[:gains], refs[gains:]
+    mix_kernel(x_ref, y_ref, res_ref, post_ref, xu_ref)
+    _collapse_kernel(pre_weights, eps, xu_ref, w_ref, p_ref, *gain, *outs)
 
 
 def _dh_pre_kernel(x_ref, du_ref, out_ref):
@@ -224,40 +243,55 @@ def _row_tile(blocks: tuple[int, int] | None, streams: int, tokens: int, dim: in
     return next((b for b in TOKEN_BLOCKS if tokens % b == 0 and streams * b * dim * 4 <= ROW_TILE_BYTES), None)
 
 
-def _collapse_rows(x, w, operand, *gain, pre_weights, eps, blocks, interpret):
+def _collapse_rows(*operands, pre_weights, eps, update, blocks, interpret):
     """(raw = sum_j X_j W_j [T, C], ss = sum_j sum_d X_j² [T], u = sum_j H_pre[:, j] X_j [T, D] in X's dtype) from
     one read of X by the collapse kernel on token tiles of whole rows, and with ``eps`` (and the gain [D]) also
     inv [T, 1] and y = RMSNorm(u) (:mod:`nash_mhc.ops.rms_norm`); in XLA (the slab forms, H_pre by
-    ``pre_weights``) where no tile fits this shard."""
+    ``pre_weights``) where no tile fits this shard. ``operands``: (X, W, the H_pre operand[, gain]), with
+    ``update`` (X, y, H_res [T, n²], H_post [T, n], W, ...): the kernel first makes the previous sublayer's update
+    X' = H_res X + H_post (x) y, returned first, and collapses X'."""
+    x, rest = operands[0], operands[1:]
+    mixing, (w, operand, *gain) = (rest[:3], rest[3:]) if update else ((), rest)
     n, tokens, dim = x.shape
     coeffs = w.shape[2]
     tm = _row_tile(blocks, n, tokens, dim)
     if tm is None:
+        if update:
+            x = mix_slabs(x, *mixing)
         slabs = [a.astype(F32) for a in x]
         raw, ss = stream_stats(slabs, w)
         u = weighted_sum(slabs, pre_weights(raw, ss[:, None], operand)).astype(x.dtype)
+        updated = (x,) if update else ()
         if eps is None:
-            return raw, ss, u
+            return *updated, raw, ss, u
         inv = rms_inverse(u, eps)
-        return raw, ss, u, inv, rms_norm(u, gain[0], eps, inv)
+        return *updated, raw, ss, u, inv, rms_norm(u, gain[0], eps, inv)
     rows, whole = pl.BlockSpec((tm, dim), lambda t: (t, 0)), pl.BlockSpec((1, dim), lambda t: (0, 0))
-    column = pl.BlockSpec((tm, 1), lambda t: (t, 0))
+    column, streams = pl.BlockSpec((tm, 1), lambda t: (t, 0)), pl.BlockSpec((n, tm, dim), lambda t: (0, t, 0))
     out_specs = [pl.BlockSpec((tm, coeffs), lambda t: (t, 0)), column, rows]
     out_shape = [jax.ShapeDtypeStruct((tokens, coeffs), F32), jax.ShapeDtypeStruct((tokens, 1), F32),
                  jax.ShapeDtypeStruct((tokens, dim), x.dtype)]
     if eps is not None:
         out_specs += [column, rows]
         out_shape += [jax.ShapeDtypeStruct((tokens, 1), F32), jax.ShapeDtypeStruct((tokens, dim), x.dtype)]
+    in_specs = [pl.BlockSpec((n, dim, coeffs), lambda t: (0, 0, 0)), pl.BlockSpec(operand.shape, lambda t: (0, 0)),
+                *[whole] * len(gain)]
+    kernel = _collapse_kernel
+    if update:
+        kernel = _update_collapse_kernel
+        in_specs = [rows, pl.BlockSpec((tm, n * n), lambda t: (t, 0)), pl.BlockSpec((tm, n), lambda t: (t, 0)),
+                    *in_specs]
+        out_specs, out_shape = [streams, *out_specs], [jax.ShapeDtypeStruct(x.shape, x.dtype), *out_shape]
     out = pl.pallas_call(
-        functools.partial(_collapse_kernel, pre_weights, eps), grid=(tokens // tm,),
-        in_specs=[pl.BlockSpec((n, tm, dim), lambda t: (0, t, 0)), pl.BlockSpec((n, dim, coeffs), lambda t: (0, 0, 0)),
-                  pl.BlockSpec(operand.shape, lambda t: (0, 0)), *[whole] * len(gain)],
+        functools.partial(kernel, pre_weights, eps), grid=(tokens // tm,), in_specs=[streams, *in_specs],
         out_specs=out_specs, out_shape=out_shape,
         cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, (tm, dim), operand.shape[0],
-                                   norm=eps is not None).collapse,
+                                   norm=eps is not None,
+                                   update_bytes=mixing[0].dtype.itemsize if update else None).collapse,
         interpret=interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))(
-            x, w, operand, *(g.reshape(1, dim) for g in gain))
-    return out[0], out[1][:, 0], *out[2:]
+            x, *mixing, w, operand, *(g.reshape(1, dim) for g in gain))
+    updated, out = (out[:1], out[1:]) if update else ((), out)
+    return *updated, out[0], out[1][:, 0], *out[2:]
 
 
 def _dh_pre(x, du, *, blocks, interpret, kernels=True):
@@ -341,25 +375,31 @@ def _on_shards(kernels: bool, function, in_names, out_names, sums=()):
     return per_shard(function, in_names, out_names, sums) if kernels else function
 
 
-def _forward(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels, pullback=False):
+def _forward(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels, pullback=False, update=()):
     """(X, u (or y = RMSNorm(u) with a ``gain``), H_post, H_res) and (H_pre, the coefficients' pullback when
-    ``pullback``, else None, u and RMSNorm's inv [T, 1] (None without a gain))."""
+    ``pullback``, else None, u and RMSNorm's inv [T, 1] (None without a gain)). With ``update`` = (y, H_res [T, n²],
+    H_post [T, n]) of the previous sublayer, X is first updated (in the collapse kernel on TPU) and the X returned
+    is the updated one."""
     inv = None
     if kernels:  # TPU: raw, ss and u (and y) from one read of X, on each device's tokens
         collapse = functools.partial(_collapse_rows, pre_weights=pre.weights, eps=None if gain is None else eps,
-                                     blocks=blocks, interpret=interpret)
-        in_names = (STREAMS, ("streams", "features", "hc_coeffs"), ("hc_coeffs", "streams"))
-        out_names = (("tokens", "hc_coeffs"), ("tokens",), TOKENS)
+                                     update=bool(update), blocks=blocks, interpret=interpret)
+        mixing = (TOKENS, ("tokens", "streams"), ("tokens", "streams")) if update else ()
+        in_names = (STREAMS, *mixing, ("streams", "features", "hc_coeffs"), ("hc_coeffs", "streams"))
+        out_names = (STREAMS,) * bool(update) + (("tokens", "hc_coeffs"), ("tokens",), TOKENS)
+        operands = (x, *update, w, pre.operand(params))
         if gain is None:
-            raw, ss, u = per_shard(collapse, in_names, out_names)(x, w, pre.operand(params))
+            *updated, raw, ss, u = per_shard(collapse, in_names, out_names)(*operands)
             # u written once. Fused into each of its consumers (the norm's statistics, the normalised input in two
             # layouts under multiscale attention), XLA wrote float32 copies of the streams for them instead
             u = lax.optimization_barrier(u)
         else:
-            raw, ss, u, inv, y = per_shard(collapse, (*in_names, ("norm",)), (*out_names, ("tokens", "norm"), TOKENS))(
-                x, w, pre.operand(params), gain)
+            *updated, raw, ss, u, inv, y = per_shard(collapse, (*in_names, ("norm",)),
+                                                     (*out_names, ("tokens", "norm"), TOKENS))(*operands, gain)
             y = lax.optimization_barrier(y)  # written once, as RMSNorm's output on TPU (nash_mhc.layers.norm)
+        x = updated[0] if update else x
     else:
+        x = mix_slabs(x, *update) if update else x
         slabs = [a.astype(F32) for a in x]
         raw, ss = stream_stats(slabs, w)
     if pullback:
@@ -415,9 +455,45 @@ def _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals,
 _collapse.defvjp(_collapse_fwd, _collapse_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 9, 10, 11, 12))
+def _update_collapse(coefficients, pre, x, y, res, post, w, params, gain, eps, blocks, interpret, kernels):
+    return _forward(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels, update=(y, res, post))[0]
+
+
+def _update_collapse_fwd(coefficients, pre, x, y, res, post, w, params, gain, eps, blocks, interpret, kernels):
+    """The collapse's residuals for the updated X, and the update's (X, y, H_res, H_post)."""
+    out, (h_pre, pullback, u, inv) = _forward(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels,
+                                              pullback=True, update=(y, res, post))
+    norm = None if gain is None else (u, gain, inv)
+    return out, ((out[0], w, h_pre, out[3], pullback, norm), (x, y, res, post))
+
+
+def _update_collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals, cotangents):
+    """The collapse's backward rule for the updated X, then the update's deferred one (stream_mix's ``defer``): the
+    updated X's cotangent goes back as X's, for the collapse that made X to apply H_resᵀ."""
+    collapsed, (x, y, res, post) = residuals
+    dx, dw, dparams, dgain = _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, collapsed, cotangents)
+    dy, dres, dpost = _on_shards(kernels, functools.partial(_update_grads, blocks=blocks, interpret=interpret,
+                                                            kernels=kernels),
+                                 (STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "streams"), STREAMS),
+                                 (TOKENS, ("tokens", "streams"), ("tokens", "streams")))(x, y, res, post, dx)
+    return dx, dy, dres, dpost, dw, dparams, dgain
+
+
+def _update_grads(x, y, res, post, g, *, blocks, interpret, kernels=True):
+    """(dy, dH_res [T, n²], dH_post) of the update X' = H_res X + H_post (x) y from X''s cotangent g: stream_mix's
+    deferred backward kernel on this shard's tiles (its XLA form where none divides)."""
+    _, tokens, dim = x.shape
+    return mix_backward(x, y, res, post, g, _tiles(blocks, tokens, dim, kernels), interpret, True)[1:]
+
+
+_update_collapse.defvjp(_update_collapse_fwd, _update_collapse_bwd)
+
+
 def collapse_streams(coefficients: Coefficients, pre: PreWeights, x: jax.Array, w: jax.Array, params, *,
                      norm_weight: jax.Array | None = None, norm_eps: float = 1e-6,
-                     blocks: tuple[int, int] | None = None, interpret: bool = False, kernels: bool = True
+                     blocks: tuple[int, int] | None = None, interpret: bool = False, kernels: bool = True,
+                     update: tuple[jax.Array, jax.Array, jax.Array] | None = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(X, u, H_post, H_res) of the module docstring, with the Pallas backward kernels on each device's token
     shard (:func:`nash_mhc.sharding.per_shard`). With ``norm_weight`` [D] (float32) the second output is the
@@ -433,9 +509,21 @@ def collapse_streams(coefficients: Coefficients, pre: PreWeights, x: jax.Array, 
     ``blocks``: (token tile, column tile) of the backward kernels, the forward kernel taking the token tile with
     whole rows; by default :func:`nash_mhc.ops.stream_mix.mix_blocks` of each shard's (T, D) backward and the
     largest token tile within ``ROW_TILE_BYTES`` forward, and the XLA slab forms where none divides. ValueError
-    when given tiles do not divide (T, D)."""
+    when given tiles do not divide (T, D).
+
+    ``update`` = (y [T, D], H_res [T, n, n], H_post [T, n]): the previous sublayer's output and coefficients, for
+    ``x`` the pass-through X of that sublayer's collapse. The streams are first updated, X' = H_res X + H_post (x)
+    y (float32, rounded once to X's dtype: :func:`nash_mhc.ops.stream_mix.stream_mix`'s update), and collapsed;
+    the pass-through output is X'. On TPU the collapse kernel makes the update and writes X' on its way, so X' is
+    not read back from HBM (one pass over the streams less per pair of sublayers). The backward rule is the
+    collapse's for X', then the update's deferred one (``stream_mix(defer=True)``): X''s cotangent goes back as
+    X's, for the previous collapse to apply H_resᵀ."""
     n, tokens, dim = x.shape
     if blocks is not None and (tokens % blocks[0] or blocks[0] % 8 or dim % blocks[1]):
         raise ValueError(f"collapse_streams needs tiles that divide (tokens, dim) = ({tokens}, {dim}) with a token "
                          f"tile that is a multiple of 8, got {blocks}")
-    return _collapse(coefficients, pre, x, w, params, norm_weight, norm_eps, blocks, interpret, kernels)
+    if update is None:
+        return _collapse(coefficients, pre, x, w, params, norm_weight, norm_eps, blocks, interpret, kernels)
+    y, h_res, h_post = update
+    return _update_collapse(coefficients, pre, x, y, h_res.astype(F32).reshape(tokens, n * n), h_post.astype(F32),
+                            w, params, norm_weight, norm_eps, blocks, interpret, kernels)

@@ -85,7 +85,9 @@ def kernel_costs(streams: int, tokens: int, dim: int, x_bytes: int, y_bytes: int
 
 
 # -------------------------------------------------------------------------------------------- kernels
-def _forward_kernel(x_ref, y_ref, res_ref, post_ref, out_ref):
+def mix_kernel(x_ref, y_ref, res_ref, post_ref, out_ref):
+    """One tile of the update: out[i] = sum_j res[:, i n + j] x[j] + post[:, i] y, float32, rounded once (also the
+    first half of the collapse kernel that takes the update, :mod:`nash_mhc.ops.stream_collapse`)."""
     n = x_ref.shape[0]
     xs = [x_ref[j].astype(F32) for j in range(n)]
     y = y_ref[...].astype(F32)
@@ -145,7 +147,7 @@ def _backward_kernel(x_ref, y_ref, res_ref, post_ref, g_ref, *out_refs):
 
 
 # ------------------------------------------------------------------------------------------ XLA forms
-def _mix_slabs(x, y, res, post):
+def mix_slabs(x, y, res, post):
     """The forward kernel's sums over the n [T, D] slabs in XLA (the CPU's and GPU's form): res [T, n·n]."""
     n = x.shape[0]
     xs, y = [a.astype(F32) for a in x], y.astype(F32)
@@ -179,18 +181,20 @@ def _params(interpret: bool, inner: str) -> dict:
 
 def _forward(x, y, res, post, blocks, interpret):
     if blocks is None:
-        return _mix_slabs(x, y, res, post)
+        return mix_slabs(x, y, res, post)
     n, tokens, dim = x.shape
     tm, td = blocks
     stream, slab, res_spec, post_spec = _specs(n, tm, td)
     return pl.pallas_call(
-        _forward_kernel, grid=(tokens // tm, dim // td), in_specs=[stream, slab, res_spec, post_spec],
+        mix_kernel, grid=(tokens // tm, dim // td), in_specs=[stream, slab, res_spec, post_spec],
         out_specs=stream, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         cost_estimate=kernel_costs(n, tokens, dim, x.dtype.itemsize, y.dtype.itemsize).forward,
         **_params(interpret, "parallel"))(x, y, res, post)
 
 
-def _backward(x, y, res, post, g, blocks, interpret, defer):
+def mix_backward(x, y, res, post, g, blocks, interpret, defer):
+    """(dx, dy, dres, dpost) by the backward kernel on tiles ``blocks``, or (g, dy, dres, dpost) with ``defer``; the
+    XLA form where ``blocks`` is None."""
     if blocks is None:
         return _backward_slabs(x, y, res, post, g, defer)
     n, tokens, dim = x.shape
@@ -217,7 +221,7 @@ def _mix_fwd(x, y, res, post, blocks, interpret, defer):
 
 def _mix_bwd(blocks, interpret, defer, residuals, g):
     x, y, res, post = residuals
-    return _backward(x, y, res, post, g.astype(x.dtype), blocks, interpret, defer)
+    return mix_backward(x, y, res, post, g.astype(x.dtype), blocks, interpret, defer)
 
 
 _mix.defvjp(_mix_fwd, _mix_bwd)
