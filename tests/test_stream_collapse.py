@@ -16,7 +16,7 @@ import reference as ref
 from helpers import declared, equations, moved
 
 from nash_mhc.layers.hyperconnection import HyperConnection, _mhc_pre_weights, _pre_operand, connect_pair
-from nash_mhc.ops.stream_collapse import PreWeights, _row_tile, collapse_streams, kernel_costs
+from nash_mhc.ops.stream_collapse import ROW_TILE_BYTES, PreWeights, _row_tile, collapse_streams, kernel_costs
 from nash_mhc.ops.stream_mix import kernel_costs as mix_costs
 from nash_mhc.ops.stream_mix import stream_mix
 from nash_mhc.sharding import make_mesh
@@ -274,12 +274,15 @@ def test_kernels_that_accumulate_along_their_inner_grid_axis_declare_it_arbitrar
     assert semantics == [("parallel",), dh_pre, ("parallel", "arbitrary")]
 
 
-@pytest.mark.parametrize("tokens,dim,want", [(8192, 2048, 128), (32768, 2048, 128), (4096, 768, 256), (48, 64, 16),
-                                             (8192, 16384, 16), (8192, 65536, None), (40, 256, None)])
-def test_the_forward_kernel_takes_the_largest_token_tile_of_whole_rows_that_fits(tokens, dim, want):
+@pytest.mark.parametrize("tokens,dim,want,half", [(8192, 2048, 128, 64), (32768, 2048, 128, 64),
+                                                  (4096, 768, 256, 128), (48, 64, 16, 16), (8192, 16384, 16, None),
+                                                  (8192, 65536, None, None), (40, 256, None, None)])
+def test_the_forward_kernel_takes_the_largest_token_tile_of_whole_rows_that_fits(tokens, dim, want, half):
     """Token tiles of whole rows: the largest of TOKEN_BLOCKS that divides T with n x tile x D float32 within
-    ROW_TILE_BYTES (4 MiB); none (the XLA form) where no tile divides T or even 16 rows are too wide."""
+    ROW_TILE_BYTES (4 MiB), or half of it for the kernel that also makes the previous update (X and X' in VMEM);
+    none (the XLA form) where no tile divides T or even 16 rows are too wide."""
     assert _row_tile(None, N, tokens, dim) == want
+    assert _row_tile(None, N, tokens, dim, ROW_TILE_BYTES // 2) == half
     assert _row_tile((32, 128), N, tokens, dim) == 32  # given tiles win
 
 
