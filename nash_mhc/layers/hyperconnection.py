@@ -228,43 +228,21 @@ def _connection_collapse(coefficients: Callable, pre: PreWeights, eps: float | N
     return collapse_streams(coefficients, pre, xs, w, params, kernels=kernels, update=mixing or None, **norm)
 
 
-Update = tuple[jax.Array, jax.Array, jax.Array]  # (y [T, D], H_res [T, n, n], H_post [T, n]): a stream update
-
-
-def identity_update(tokens: int, streams: int, dim: int, dtype: jnp.dtype) -> Update:
-    """The update that leaves X as it is (y = 0, H_res = I, H_post = 0: X' = X bit for bit, each stream plus
-    exact zeros), for the first :func:`connect_pair` of a stack whose pairs leave their last update unmade."""
-    eye = jnp.broadcast_to(jnp.eye(streams, dtype=jnp.float32), (tokens, streams, streams))
-    return jnp.zeros((tokens, dim), dtype), eye, jnp.zeros((tokens, streams), jnp.float32)
-
-
 def connect_pair(xs: Float[Array, "n seq dim"], first: tuple[HyperConnection, Sublayer, RMSNorm | None],
-                 second: tuple[HyperConnection, Sublayer, RMSNorm | None], update: Update | None = None,
-                 leave_update: bool = False) -> tuple:
+                 second: tuple[HyperConnection, Sublayer, RMSNorm | None]
+                 ) -> tuple[Float[Array, "n seq dim"], Float[Array, "seq n n"], Float[Array, "seq n n"]]:
     """Two sublayers in a row, each (connection, sublayer, its pre-norm): (X, first H_res, second H_res), what
     ``second[0].streams_major(first[0].streams_major(xs, ...)[0], ...)`` gives. When both connections are mhc or
     mhc-lite, the first's stream update is made by the second's collapse (:meth:`HyperConnection._mhc_collapse`
-    with ``update``), which on TPU writes the updated streams on its way instead of reading them back.
-
-    Across pairs (mhc / mhc-lite only): ``leave_update`` returns the second's update unmade, (X, (y, H_res,
-    H_post), first H_res, second H_res), and the next pair takes it as ``update``, made by its first collapse; X
-    is then the pass-through X of the collapse that made the update's coefficients (whose backward rule applies
-    H_resᵀ to the cotangent the update hands back), or for the stack's first pair X with :func:`identity_update`
-    (H_res = I: the cotangent is X's own). The last update is :func:`mix_streams`' with ``defer=True``."""
+    with ``update``), which on TPU writes the updated streams on its way instead of reading them back."""
     (hc1, sublayer1, norm1), (hc2, sublayer2, norm2) = first, second
     if hc1.mode not in MHC_MODES or hc2.mode not in MHC_MODES:
-        if update is not None or leave_update:
-            raise ValueError(f"connect_pair: an update left unmade needs mhc or mhc-lite connections, got "
-                             f"{hc1.mode} and {hc2.mode}")
         xs, res1 = hc1.streams_major(xs, sublayer1, norm1)
         xs, res2 = hc2.streams_major(xs, sublayer2, norm2)
         return xs, res1, res2
-    xs, u, h_post, h_res = hc1._mhc_collapse(xs, norm1, update=update)
+    xs, u, h_post, h_res = hc1._mhc_collapse(xs, norm1)
     xs, u2, h_post2, h_res2 = hc2._mhc_collapse(xs, norm2, update=(sublayer1(u), h_res, h_post))
-    pending = (sublayer2(u2), h_res2, h_post2)
-    if leave_update:
-        return xs, pending, h_res, h_res2
-    return mix_streams(xs, *pending, defer=True), h_res, h_res2
+    return mix_streams(xs, sublayer2(u2), h_res2, h_post2, defer=True), h_res, h_res2
 
 
 def _mhc_coefficients(mode: str, n: int, dim: int, eps: float, sinkhorn_iters: int, raw: jax.Array, ss: jax.Array,
