@@ -79,6 +79,16 @@ def xla_loss(hc, x, s, w):
     return jnp.sum(w * out.astype(jnp.float32))
 
 
+def assert_central_differences(values, got, loss, rng, eps=1e-4):
+    """Each gradient in ``got``, projected on a random direction v, against (L(p + εv) − L(p − εv)) / 2ε of
+    ``loss(delta, k)`` (the float64 reference with ``delta`` added to ``values[k]``)."""
+    for k, (value, grad) in enumerate(zip(values, got, strict=True)):
+        v = rng.normal(size=value.shape)
+        want = (loss(eps * v, k) - loss(-eps * v, k)) / (2 * eps)
+        np.testing.assert_allclose(float(np.sum(np.asarray(grad, np.float64) * v)), want, rtol=2e-4,
+                                   atol=2e-4 * np.abs(want) + 1e-3, err_msg=f"argument {k}")
+
+
 @pytest.mark.parametrize("path", [kernel_loss, xla_loss], ids=["kernels", "xla"])
 @pytest.mark.parametrize("mode", ["mhc", "mhc-lite"])
 def test_gradients_match_central_differences_of_the_float64_reference(mode, path):
@@ -115,18 +125,13 @@ def test_the_collapse_normalises_u_for_the_sublayer_like_the_float64_reference(k
     got = parameters(grads[0]) + [grads[1], grads[2]]
     values = [np.asarray(a, np.float64) for a in parameters(hc) + [x, gain]]
     rng = np.random.default_rng(8)
-    eps = 1e-4
 
     def loss(delta, k):
         moved_values = [a + delta if i == k else a for i, a in enumerate(values)]
         return reference_loss("mhc", moved_values[:6], moved_values[6], s, w, hc.norm.eps, hc.sinkhorn_iters,
                               gain=moved_values[7])
     np.testing.assert_allclose(float(loss_value), loss(0.0, 0), rtol=1e-5)
-    for k, (value, grad) in enumerate(zip(values, got, strict=True)):
-        v = rng.normal(size=value.shape)
-        want = (loss(eps * v, k) - loss(-eps * v, k)) / (2 * eps)
-        np.testing.assert_allclose(float(np.sum(np.asarray(grad, np.float64) * v)), want, rtol=2e-4,
-                                   atol=2e-4 * np.abs(want) + 1e-3, err_msg=f"argument {k}")
+    assert_central_differences(values, got, loss, rng)
 
 
 def pair_loss(hc1, hc2, x, gain1, gain2, s, s2, w, kernels=True, blocks=BLOCKS):
@@ -172,17 +177,12 @@ def test_a_collapse_that_makes_the_previous_update_matches_the_float64_reference
         argnums=(0, 1, 2, 3, 4))(hc1, hc2, x, *gains)
     got = parameters(grads[0]) + parameters(grads[1]) + list(grads[2:])
     values = [np.asarray(a, np.float64) for a in parameters(hc1) + parameters(hc2) + [x, *gains]]
-    eps = 1e-4
 
     def loss(delta, k):
         return reference_pair_loss([a + delta if i == k else a for i, a in enumerate(values)], s, s2, w,
                                    hc1.norm.eps, hc1.sinkhorn_iters)
     np.testing.assert_allclose(float(loss_value), loss(0.0, 0), rtol=1e-5)
-    for k, (value, grad) in enumerate(zip(values, got, strict=True)):
-        v = rng.normal(size=value.shape)
-        want = (loss(eps * v, k) - loss(-eps * v, k)) / (2 * eps)
-        np.testing.assert_allclose(float(np.sum(np.asarray(grad, np.float64) * v)), want, rtol=2e-4,
-                                   atol=2e-4 * np.abs(want) + 1e-3, err_msg=f"argument {k}")
+    assert_central_differences(values, got, loss, rng)
 
 
 def test_the_update_inside_the_collapse_gives_the_bits_of_the_update_then_the_collapse():

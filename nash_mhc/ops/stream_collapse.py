@@ -429,13 +429,14 @@ def _collapse(coefficients, pre, x, w, params, gain, eps, blocks, interpret, ker
     return _forward(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels)[0]
 
 
-def _collapse_fwd(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels):
-    """Saves the coefficients' pullback (their own residuals: Sinkhorn's saved iterates on CPU and GPU, its
-    logits on TPU), so the backward pass does not recompute them; with a gain also u and RMSNorm's inv."""
+def _collapse_fwd(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels, update=()):
+    """Saves the collapsed X (the updated one with ``update``) and the coefficients' pullback (their own residuals:
+    Sinkhorn's saved iterates on CPU and GPU, its logits on TPU), so the backward pass does not recompute them; with
+    a gain also u and RMSNorm's inv."""
     out, (h_pre, pullback, u, inv) = _forward(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels,
-                                              pullback=True)
+                                              pullback=True, update=update)
     norm = None if gain is None else (u, gain, inv)
-    return out, (x, w, h_pre, out[3], pullback, norm)
+    return out, (out[0], w, h_pre, out[3], pullback, norm)
 
 
 def _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals, cotangents):
@@ -472,10 +473,9 @@ def _update_collapse(coefficients, pre, x, y, res, post, w, params, gain, eps, b
 
 def _update_collapse_fwd(coefficients, pre, x, y, res, post, w, params, gain, eps, blocks, interpret, kernels):
     """The collapse's residuals for the updated X, and the update's (X, y, H_res, H_post)."""
-    out, (h_pre, pullback, u, inv) = _forward(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels,
-                                              pullback=True, update=(y, res, post))
-    norm = None if gain is None else (u, gain, inv)
-    return out, ((out[0], w, h_pre, out[3], pullback, norm), (x, y, res, post))
+    out, collapsed = _collapse_fwd(coefficients, pre, x, w, params, gain, eps, blocks, interpret, kernels,
+                                   update=(y, res, post))
+    return out, (collapsed, (x, y, res, post))
 
 
 def _update_collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals, cotangents):
