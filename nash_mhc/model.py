@@ -18,7 +18,14 @@ from jaxtyping import Array, Float, Int, jaxtyped
 from nash_mhc.config import ModelConfig
 from nash_mhc.layers.attention import MultiscaleAttention
 from nash_mhc.layers.ffn import SwiGLU
-from nash_mhc.layers.hyperconnection import HyperConnection, connect_pair
+from nash_mhc.layers.hyperconnection import (
+    HyperConnection,
+    Update,
+    connect_pair,
+    identity_update,
+    leaves_updates,
+    mix_streams,
+)
 from nash_mhc.layers.init import EMBED_STD, normal
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.matmul import f32_einsum
@@ -33,11 +40,12 @@ REMAT_POLICIES = {
 }
 
 
-def grouped_scan(layer: Any, x: jax.Array, params: Any, group: int, unroll: int = 1) -> tuple[jax.Array, Any]:
-    """``lax.scan(layer, x, params)`` as a scan over groups of ``group`` layers, each group rematerialised
-    whole: the backward pass keeps the input of every group (num_layers / group states) and, while it runs
-    through one group, that group's layer inputs (``group`` states). Two nested scans: compile time stays flat
-    in depth. ``params``' leaves are stacked [num_layers, ...]; the outputs come back stacked the same way.
+def grouped_scan(layer: Any, x: Any, params: Any, group: int, unroll: int = 1) -> tuple[Any, Any]:
+    """``lax.scan(layer, x, params)`` (x: an array or a tuple of them) as a scan over groups of ``group`` layers,
+    each group rematerialised whole: the backward pass keeps the input of every group (num_layers / group states)
+    and, while it runs through one group, that group's layer inputs (``group`` states). Two nested scans: compile
+    time stays flat in depth. ``params``' leaves are stacked [num_layers, ...]; the outputs come back stacked the
+    same way.
 
     A group is its first ``group - 1`` layers scanned, then its last layer on its own: the backward pass reruns
     a group's forward only for the layer inputs it needs, and the last layer's output is not one of them. Left
@@ -52,7 +60,7 @@ def grouped_scan(layer: Any, x: jax.Array, params: Any, group: int, unroll: int 
         return rearrange(a, "(groups group) ... -> groups group ...", group=group)
 
     @jax.checkpoint  # nothing inside a group is saved; its forward pass is rerun in the backward pass
-    def run_group(x: jax.Array, group_params: Any) -> tuple[jax.Array, Any]:
+    def run_group(x: Any, group_params: Any) -> tuple[Any, Any]:
         x, ys = jax.lax.scan(layer, x, jax.tree.map(lambda a: a[:-1], group_params), unroll=min(unroll, group - 1))
         x, last = layer(x, jax.tree.map(lambda a: a[-1], group_params))
         return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, last)
@@ -154,11 +162,16 @@ class Block(eqx.Module):
         xs, stats = self.streams_major(rearrange(x, "b t n d -> n b t d"))
         return rearrange(xs, "n b t d -> b t n d"), stats
 
-    def streams_major(self, xs: Float[Array, "n batch seq dim"]) -> tuple[Float[Array, "n batch seq dim"], BlockStats]:
-        """:meth:`__call__` on the streams-major state [n, B, T, D] that the model's layer scan carries.
+    def streams_major(self, xs: Float[Array, "n batch seq dim"], update: Update | None = None, *,
+                      leave_update: bool = False) -> tuple:
+        """:meth:`__call__` on the streams-major state [n, B, T, D] that the model's layer scan carries: (X, stats).
 
         The hyper-connections, norms and FFN are per token and run on the flattened [n, B·T, D] tokens;
-        attention gets them back as [B, T, D] sequences.
+        attention gets them back as [B, T, D] sequences. mhc and mhc-lite only: ``update`` is the previous block's
+        FFN update still to be made on X, (y [B, T, D], H_res [B, T, n, n], H_post [B, T, n]), which this block's
+        attention collapse makes; ``leave_update`` leaves this block's FFN update unmade and returns (X, update,
+        stats) (:func:`nash_mhc.layers.hyperconnection.connect_pair`: on TPU each update is made inside the next
+        collapse kernel).
         """
         n, batch, seq, dim = xs.shape
         found = {}
@@ -168,13 +181,26 @@ class Block(eqx.Module):
             return rearrange(y, "b t d -> (b t) d")
 
         tokens = rearrange(xs, "n b t d -> n (b t) d")
-        # each connection applies its sublayer's pre-norm (mhc on TPU: inside its collapse kernel, which for the
-        # FFN also makes the attention's stream update)
-        tokens, res_attn, res_ffn = connect_pair(tokens, (self.attn_hc, attention, self.attn_norm),
-                                                 (self.ffn_hc, self.ffn, self.ffn_norm))
-        res = rearrange(jnp.stack([res_attn, res_ffn]), "s (b t) i j -> s b t i j", b=batch)
-        return (constrain_batch(rearrange(tokens, "n (b t) d -> n b t d", b=batch), dim=1),
-                BlockStats(*found["stats"], res))
+        flat = None if update is None else tuple(rearrange(a, "b t ... -> (b t) ...") for a in update)
+        # each connection applies its sublayer's pre-norm (mhc on TPU: inside its collapse kernel, which also makes
+        # the previous sublayer's stream update)
+        out = connect_pair(tokens, (self.attn_hc, attention, self.attn_norm), (self.ffn_hc, self.ffn, self.ffn_norm),
+                           update=flat, leave_update=leave_update)
+        res = rearrange(jnp.stack(out[-2:]), "s (b t) i j -> s b t i j", b=batch)
+        xs, stats = constrain_batch(rearrange(out[0], "n (b t) d -> n b t d", b=batch), dim=1), BlockStats(
+            *found["stats"], res)
+        if not leave_update:
+            return xs, stats
+        return xs, tuple(constrain_batch(rearrange(a, "(b t) ... -> b t ...", b=batch)) for a in out[1]), stats
+
+
+def make_update(xs: Float[Array, "n batch seq dim"], update: Update) -> Float[Array, "n batch seq dim"]:
+    """The stream update ``update`` (:meth:`Block.streams_major`'s, left unmade) made on X: what the layer stack's
+    last block leaves for the stream sum."""
+    batch = xs.shape[1]
+    tokens = mix_streams(rearrange(xs, "n b t d -> n (b t) d"),
+                         *(rearrange(a, "b t ... -> (b t) ...") for a in update), defer=True)
+    return constrain_batch(rearrange(tokens, "n (b t) d -> n b t d", b=batch), dim=1)
 
 
 def _check_token_ids(tokens: jax.Array, vocab_size: int) -> None:
@@ -295,10 +321,21 @@ class LanguageModel(eqx.Module):
         x = stream_copies(self.embed_tokens(tokens), c.num_streams)  # the layer scan carries X streams-major
         params, static = eqx.partition(self.blocks, eqx.is_array)
         params = matmul_weights_in_compute_dtype(params, c.dtype)
+        # mhc / mhc-lite on TPU: each block leaves its FFN's stream update to the next block's attention collapse,
+        # made inside that collapse's kernel, so the scan carries (X, the update); the first block makes the
+        # identity update, the stream sum's input the last block's
+        leave = leaves_updates(self.blocks.attn_hc.mode, batch * seq, c.d_model)
+        if leave:
+            start = identity_update(batch * seq, c.num_streams, c.d_model, jnp.dtype(c.dtype))
+            x = (x, tuple(rearrange(a, "(b t) ... -> b t ...", b=batch) for a in start))
 
-        def layer(x: jax.Array, block_params: Block) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        def layer(x: Any, block_params: Block) -> tuple[Any, tuple[jax.Array, ...]]:
             block = eqx.combine(gather_fsdp(block_params), static)
-            x, stats = block.streams_major(x)
+            if leave:
+                *x, stats = block.streams_major(*x, leave_update=True)
+                x = tuple(x)
+            else:
+                x, stats = block.streams_major(x)
             diag = jnp.mean(jnp.diagonal(stats.res, axis1=-2, axis2=-1), axis=(0, 2, 3))
             ys = (stats.entropy, jnp.mean(stats.weights, axis=1), jnp.max(stats.nash_residual, axis=1), diag)
             return x, ys + ((stats.res,) if return_residual_maps else ())
@@ -309,6 +346,8 @@ class LanguageModel(eqx.Module):
             x, ys = grouped_scan(layer, x, params, c.remat_group, c.scan_unroll)
         else:
             x, ys = jax.lax.scan(layer, x, params, unroll=c.scan_unroll)
+        if leave:
+            x = make_update(*x)
         entropy, weights, residual, diag = ys[:4]  # [layers, B, T], [layers, B, L], [layers, B], [layers, B]
         h = self.collapse(x, streams_axis=0)  # [B, T, D]
         maps = None

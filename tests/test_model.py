@@ -227,6 +227,31 @@ def test_remat_policies_and_scan_unroll_do_not_change_results():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # three compiles of a gradient, about 40 s; the TPU's structure on the CPU
+def test_layers_leaving_their_last_update_to_the_next_layer_give_the_same_loss_and_gradients(monkeypatch):
+    """Lowered for TPU, the layer scan carries each block's FFN update to the next block's attention collapse
+    (``leaves_updates``: the first block makes the identity update, the last one is made after the scan). Forced
+    here on the CPU's XLA forms in float32, alone and in remat groups: the loss and gradients of each block making
+    its own updates."""
+    import nash_mhc.model as model_module
+    from nash_mhc.layers.hyperconnection import MHC_MODES
+
+    batch = tokens(batch=2, seq=17)
+
+    def run(**settings: object) -> tuple[jax.Array, LanguageModel]:
+        config = ModelConfig.preset("tiny", attention="full", num_layers=4, **settings)  # mhc
+        model = perturbed(LanguageModel(config, key=jax.random.key(0)))
+        return eqx.filter_jit(eqx.filter_value_and_grad(lm_loss))(model, batch)  # a new jit: a new trace
+
+    own = run()
+    monkeypatch.setattr(model_module, "leaves_updates", lambda mode, tokens, dim: mode in MHC_MODES)
+    carried = {"none": run(), "full-group": run(remat="full", remat_group=2)}
+    for name, (loss, grads) in carried.items():
+        np.testing.assert_allclose(float(loss), float(own[0]), rtol=1e-6, err_msg=name)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(own[1]), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7, err_msg=name)
+
+
 @pytest.mark.parametrize("unroll, group, loops", [(1, 1, 1), (6, 1, 0), (1, 3, 2), (3, 3, 1), (6, 3, 0)])
 def test_scan_unroll_runs_the_layers_without_a_loop(unroll, group, loops):
     """scan_unroll counts layers per loop iteration, with or without remat groups: >= num_layers leaves no loop in

@@ -15,7 +15,7 @@ import pytest
 import reference as ref
 from helpers import declared, equations, moved
 
-from nash_mhc.layers.hyperconnection import HyperConnection, _mhc_pre_weights, _pre_operand
+from nash_mhc.layers.hyperconnection import HyperConnection, _mhc_pre_weights, _pre_operand, connect_pair
 from nash_mhc.ops.stream_collapse import ROW_TILE_BYTES, PreWeights, _row_tile, collapse_streams, kernel_costs
 from nash_mhc.ops.stream_mix import kernel_costs as mix_costs
 from nash_mhc.ops.stream_mix import stream_mix
@@ -284,6 +284,15 @@ def test_the_forward_kernel_takes_the_largest_token_tile_of_whole_rows_that_fits
     assert _row_tile(None, N, tokens, dim) == want
     assert _row_tile(None, N, tokens, dim, ROW_TILE_BYTES // 2) == half
     assert _row_tile((32, 128), N, tokens, dim) == 32  # given tiles win
+
+
+def test_an_update_left_unmade_needs_mhc_connections():
+    """connect_pair leaves (or takes) an update only between mhc / mhc-lite collapses: with HC it is refused."""
+    hc = HyperConnection("hc", N, D, key=jax.random.key(0))
+    x = jnp.zeros((N, T, D), jnp.float32)
+    with pytest.raises(ValueError, match="connect_pair: an update left unmade needs mhc or mhc-lite connections, "
+                                         "got hc and hc"):
+        connect_pair(x, (hc, lambda u: u, None), (hc, lambda u: u, None), leave_update=True)
 
 
 def test_bad_tiles_are_refused_with_one_line():

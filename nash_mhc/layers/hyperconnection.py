@@ -54,7 +54,7 @@ from einops import rearrange
 from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
-from nash_mhc.ops.dispatch import platform_dependent
+from nash_mhc.ops.dispatch import platform_dependent, settled_platform
 from nash_mhc.ops.sinkhorn import sinkhorn
 from nash_mhc.ops.stream_collapse import PreWeights, collapse_streams, stream_stats, weighted_sum
 from nash_mhc.ops.stream_mix import SHARD_AXES, mix_blocks, stream_mix
@@ -228,22 +228,54 @@ def _connection_collapse(coefficients: Callable, pre: PreWeights, eps: float | N
     return collapse_streams(coefficients, pre, xs, w, params, kernels=kernels, update=mixing or None, **norm)
 
 
+Update = tuple[jax.Array, jax.Array, jax.Array]  # (y [T, D], H_res [T, n, n], H_post [T, n]): a stream update
+
+
+def identity_update(tokens: int, streams: int, dim: int, dtype: jnp.dtype) -> Update:
+    """The update that leaves X as it is (y = 0, H_res = I, H_post = 0: X' = X bit for bit, each stream plus
+    exact zeros), for the first :func:`connect_pair` of a stack whose pairs leave their last update unmade."""
+    eye = jnp.broadcast_to(jnp.eye(streams, dtype=jnp.float32), (tokens, streams, streams))
+    return jnp.zeros((tokens, dim), dtype), eye, jnp.zeros((tokens, streams), jnp.float32)
+
+
+def leaves_updates(mode: str, tokens: int, dim: int) -> bool:
+    """Whether a stack of :func:`connect_pair` calls on [n, tokens, dim] streams leaves each pair's last update to
+    the next pair's first collapse: for mhc / mhc-lite lowered for TPU (:func:`settled_platform`) with the kernels'
+    token tiles (:func:`mix_blocks`), where each update is then made inside the next collapse's kernel, whose
+    operand y has the streams' dtype as stream_mix's kernel's has: the same bits. Elsewhere each pair makes its own
+    last update: in XLA's forms a y carried across the layer scan is rounded to its dtype where one sublayer's
+    program may keep it in float32 (XLA CPU's excess precision), so the bfloat16 full forward would no longer give
+    cached decoding's numbers (which makes each update within its sublayer)."""
+    return mode in MHC_MODES and settled_platform() == "tpu" and mix_blocks(tokens, dim) is not None
+
+
 def connect_pair(xs: Float[Array, "n seq dim"], first: tuple[HyperConnection, Sublayer, RMSNorm | None],
-                 second: tuple[HyperConnection, Sublayer, RMSNorm | None]
-                 ) -> tuple[Float[Array, "n seq dim"], Float[Array, "seq n n"], Float[Array, "seq n n"]]:
+                 second: tuple[HyperConnection, Sublayer, RMSNorm | None], update: Update | None = None,
+                 leave_update: bool = False) -> tuple:
     """Two sublayers in a row, each (connection, sublayer, its pre-norm): (X, first H_res, second H_res), what
     ``second[0].streams_major(first[0].streams_major(xs, ...)[0], ...)`` gives. When both connections are mhc or
     mhc-lite, the first's stream update is made by the second's collapse (:meth:`HyperConnection._mhc_collapse`
-    with ``update``), which on TPU writes the updated streams on its way instead of reading them back."""
+    with ``update``), which on TPU writes the updated streams on its way instead of reading them back.
+
+    Across pairs (mhc / mhc-lite only): ``leave_update`` returns the second's update unmade, (X, (y, H_res,
+    H_post), first H_res, second H_res), and the next pair takes it as ``update``, made by its first collapse; X
+    is then the pass-through X of the collapse that made the update's coefficients (whose backward rule applies
+    H_resᵀ to the cotangent the update hands back), or for the stack's first pair X with :func:`identity_update`
+    (H_res = I: the cotangent is X's own). The last update is :func:`mix_streams`' with ``defer=True``."""
     (hc1, sublayer1, norm1), (hc2, sublayer2, norm2) = first, second
     if hc1.mode not in MHC_MODES or hc2.mode not in MHC_MODES:
+        if update is not None or leave_update:
+            raise ValueError(f"connect_pair: an update left unmade needs mhc or mhc-lite connections, got "
+                             f"{hc1.mode} and {hc2.mode}")
         xs, res1 = hc1.streams_major(xs, sublayer1, norm1)
         xs, res2 = hc2.streams_major(xs, sublayer2, norm2)
         return xs, res1, res2
-    xs, u, h_post, h_res = hc1._mhc_collapse(xs, norm1)
+    xs, u, h_post, h_res = hc1._mhc_collapse(xs, norm1, update=update)
     xs, u2, h_post2, h_res2 = hc2._mhc_collapse(xs, norm2, update=(sublayer1(u), h_res, h_post))
-    return mix_streams(xs, sublayer2(u2), h_res2, h_post2, defer=True), h_res, h_res2
-
+    pending = (sublayer2(u2), h_res2, h_post2)
+    if leave_update:
+        return xs, pending, h_res, h_res2
+    return mix_streams(xs, *pending, defer=True), h_res, h_res2
 
 def _mhc_coefficients(mode: str, n: int, dim: int, eps: float, sinkhorn_iters: int, raw: jax.Array, ss: jax.Array,
                       params: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -38,6 +38,12 @@ def _mesh_platform() -> str | None:
     return None if device is None else device.platform
 
 
+def settled_platform() -> str | None:
+    """The platform ("cpu", "tpu", "gpu") whose branch :func:`platform_dependent` traces: the ambient mesh's, else
+    :func:`lowering_platform`'s; None where the choice waits for lowering."""
+    return _mesh_platform() or _LOWERING_PLATFORM.value
+
+
 def lowering_platform(platform: str | None) -> Any:
     """A context manager: within it, :func:`platform_dependent` takes ``platform``'s branch ("cpu", "tpu", "gpu")
     where no mesh names a platform (None: every branch, as outside). Part of the key of JAX's jit and trace caches,
@@ -67,7 +73,7 @@ def platform_dependent(*args: Any, default: Callable[..., Any] | None = None, **
     ambient mesh's platform (or, where no mesh names one, :func:`lowering_platform`'s) where it settles the choice
     (the same branch that lowering would pick); else every branch, chosen when the program is lowered
     (``jax.export`` for several platforms, a model called by a bare jit)."""
-    platform = _mesh_platform() or _LOWERING_PLATFORM.value
+    platform = settled_platform()
     if platform == "gpu" and not any(name in per_platform for name in _GPU_BRANCHES):
         branch = default
     elif platform in ("cpu", "tpu"):
