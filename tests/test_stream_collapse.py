@@ -17,7 +17,6 @@ from helpers import declared, equations, moved
 
 from nash_mhc.layers.hyperconnection import HyperConnection, _mhc_pre_weights, _pre_operand, connect_pair
 from nash_mhc.ops.stream_collapse import ROW_TILE_BYTES, PreWeights, _row_tile, collapse_streams, kernel_costs
-from nash_mhc.ops.stream_mix import kernel_costs as mix_costs
 from nash_mhc.ops.stream_mix import stream_mix
 from nash_mhc.sharding import make_mesh
 
@@ -375,9 +374,10 @@ def test_declared_cost_is_the_grids_multiply_adds_and_bytes(tokens, dim, blocks,
 @pytest.mark.parametrize("tokens,dim,blocks,x_bytes", [(32, 256, (16, 128), 4), (32768, 2048, (256, 512), 2)])
 def test_the_collapse_that_makes_the_update_declares_the_updates_bytes_but_no_second_read(tokens, dim, blocks, x_bytes):
     """With ``update``, the collapse kernel also reads the previous X, y, H_res and H_post and writes the updated X
-    (its n (n + 1) multiply-adds per token and feature), then collapses that from VMEM: against the grid's walk,
-    and the kernels of the pair's gradient: the fused forward, dH_pre (with the norm), dx and the update's
-    deferred backward."""
+    (its n (n + 1) multiply-adds per token and feature), then collapses that from VMEM; the dx kernel reads the
+    previous X in X's place, y, H_res and H_post, makes the updated X again and runs the update's deferred backward
+    (dy, dH_res, dH_post per column tile): against the grids' walks, and the kernels of the pair's gradient: the
+    fused forward, dH_pre (with the norm) and the fused dx, no separate update backward."""
     tm = blocks[0]
     coeffs = 2 * N + N * N
     rows, slab = N * tm * dim * x_bytes, tm * dim * x_bytes
@@ -391,7 +391,18 @@ def test_the_collapse_that_makes_the_update_declares_the_updates_bytes_but_no_se
         (rows, lambda t: t),  # the updated X, written
         (tm * coeffs * 4, lambda t: t), (tm * 4, lambda t: t), (slab, lambda t: t), (tm * 4, lambda t: t),
         (slab, lambda t: t)])  # raw, ss, u, inv, y
-    assert (costs.dh_pre, costs.dx) == (plain.dh_pre, plain.dx)
+    assert costs.dh_pre == plain.dh_pre
+    td = blocks[1]
+    stream, tile = N * tm * td * x_bytes, tm * td * x_bytes
+    # dx's products, then the update made again (n (n + 1)) and its dy, dH_res, dH_post (n (n + 2))
+    assert costs.dx.flops == plain.dx.flops + 2 * N * (2 * N + 3) * tokens * dim
+    assert costs.dx.bytes_accessed == moved((dim // td, tokens // tm), [
+        (stream, lambda d, t: (t, d)), (tile, lambda d, t: (t, d)), (tm * N * N * 4, lambda d, t: t),
+        (tm * N * 4, lambda d, t: t),  # the previous X, y, H_res, H_post
+        (stream, lambda d, t: (t, d)), (tile, lambda d, t: (t, d)), (tm * (N + 1 + N * N) * 4, lambda d, t: t),
+        (tm * coeffs * 4, lambda d, t: t), (N * coeffs * td * 4, lambda d, t: d),  # g, du, scalars, d_raw, W
+        (stream, lambda d, t: (t, d)), (N * coeffs * td * 4, lambda d, t: d), (tile, lambda d, t: (t, d)),
+        (tm * N * N * 4, lambda d, t: (d, t)), (tm * N * 4, lambda d, t: (d, t))])  # dX, dWᵀ, dy, dH parts
 
     # mhc-lite: no Sinkhorn, whose own kernels would join the list
     hc = jax.eval_shape(lambda: HyperConnection("mhc-lite", N, dim, key=jax.random.key(0)))
@@ -410,5 +421,4 @@ def test_the_collapse_that_makes_the_update_declares_the_updates_bytes_but_no_se
         return xs.astype(jnp.float32).sum() + y2.astype(jnp.float32).sum() + h_post2.sum() + h_res2.sum()
     lite_costs = kernel_costs(N, tokens, dim, lite, x_bytes, blocks, norm=True, update_bytes=x_bytes)
     assert declared(jax.grad(loss, argnums=tuple(range(7))), x, y, h_res, h_post, w, params, gain) == [
-        lite_costs.collapse, lite_costs.dh_pre, lite_costs.dx,
-        mix_costs(N, tokens, dim, x_bytes, x_bytes).deferred_backward]
+        lite_costs.collapse, lite_costs.dh_pre, lite_costs.dx]

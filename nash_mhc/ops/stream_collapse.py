@@ -65,7 +65,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nash_mhc.ops.rms_norm import rms_inverse, rms_norm, rms_norm_backward, rms_norm_backward_rows
-from nash_mhc.ops.stream_mix import TOKEN_BLOCKS, mix_backward, mix_blocks, mix_kernel, mix_slabs, res_transpose
+from nash_mhc.ops.stream_mix import (
+    TOKEN_BLOCKS,
+    mix_backward,
+    mix_blocks,
+    mix_kernel,
+    mix_slabs,
+    mix_tile,
+    res_transpose,
+    update_grads_tile,
+)
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
@@ -116,7 +125,10 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
     sublayer's stream update, ``collapse_streams(update=...)``): the collapse also reads the previous X (n slabs),
     y, H_res and H_post (float32 [T, n²], [T, n]) and writes the updated X, which it then reads from VMEM, not again
     from HBM; per token and feature n (n + 1) multiply-adds more (:func:`nash_mhc.ops.stream_mix.kernel_costs`'
-    forward)."""
+    forward). Its dx kernel reads the previous X in X's place and makes the updated X again on each tile (n (n + 1)
+    multiply-adds per token and feature), then the update's deferred backward from the tile's rounded dX (n (n + 2):
+    dy, dH_res, dH_post); it also reads y and H_res, H_post (float32, once per column tile) and writes dy and each
+    column tile's part of dH_res and dH_post (float32 [T, n² + n] per column tile)."""
     n, elems = streams, tokens * dim
     column_tiles = dim // blocks[1]
     stream, slab = n * elems * x_bytes, elems * x_bytes
@@ -140,6 +152,10 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
     per_token = tokens * (n + 1 + n * n + coeffs) * 4
     dx = pl.CostEstimate(flops=2 * (2 * coeffs + n + 2) * n * elems, transcendentals=0,
                          bytes_accessed=3 * stream + slab + column_tiles * per_token + 2 * n * coeffs * dim * 4)
+    if update_bytes is not None:  # the update made again (n (n + 1)), then its dy, dH_res, dH_post (n (n + 2))
+        mixing = tokens * (n * n + n) * 4
+        dx = pl.CostEstimate(flops=dx.flops + 2 * n * (2 * n + 3) * elems, transcendentals=0,
+                             bytes_accessed=dx.bytes_accessed + 2 * elems * update_bytes + 2 * column_tiles * mixing)
     return KernelCosts(collapse, dh_pre, dx)
 
 
@@ -207,7 +223,14 @@ def _stream_dots(x_ref, du, shape):
 
 
 def _dx_kernel(x_ref, g_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_ref):
-    n = x_ref.shape[0]
+    _dx_tile([x_ref[j].astype(F32) for j in range(x_ref.shape[0])], g_ref, du_ref, scalars_ref, draw_ref, w_ref,
+             dx_ref, dw_ref)
+
+
+def _dx_tile(xs, g_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_ref):
+    """dX of one (token, column) tile from the n float32 tiles xs of X, written rounded and returned as float32;
+    dW's tile summed over the token tiles (the grid's inner axis)."""
+    n = len(xs)
     du = du_ref[...].astype(F32)
     scalars, draw = scalars_ref[...], draw_ref[...]  # [tm, n + 1 + n²]: H_pre, 2 d_ss, then H_res; [tm, C]
     gs = [g_ref[i].astype(F32) for i in range(n)]
@@ -216,12 +239,28 @@ def _dx_kernel(x_ref, g_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_re
     def _start():
         dw_ref[...] = jnp.zeros(dw_ref.shape, F32)
 
+    dx = []
     for j in range(n):
-        xj = x_ref[j].astype(F32)
-        acc = res_transpose(scalars, gs, j, n + 1) + scalars[:, j:j + 1] * du + scalars[:, n:n + 1] * xj
+        acc = res_transpose(scalars, gs, j, n + 1) + scalars[:, j:j + 1] * du + scalars[:, n:n + 1] * xs[j]
         acc = acc + lax.dot_general(draw, w_ref[j], _NN, preferred_element_type=F32)
-        dx_ref[j] = acc.astype(dx_ref.dtype)
-        dw_ref[j] += lax.dot_general(draw, xj, _TN, preferred_element_type=F32)  # dW_jᵀ [C, td]
+        dx.append(acc.astype(dx_ref.dtype))
+        dx_ref[j] = dx[j]
+        dw_ref[j] += lax.dot_general(draw, xs[j], _TN, preferred_element_type=F32)  # dW_jᵀ [C, td]
+    return [a.astype(F32) for a in dx]
+
+
+def _update_dx_kernel(x_ref, y_ref, res_ref, post_ref, g_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_ref,
+                      dy_ref, dres_ref, dpost_ref):
+    """The collapse's dX for the updated X, made again on the tile from the previous X and y (the forward kernel's
+    sums, rounded alike), then the update's deferred backward from that dX: dy, and this column tile's part of
+    dH_res and dH_post (summed over the column tiles after the kernel)."""
+    n = x_ref.shape[0]
+    xs, y = [x_ref[j].astype(F32) for j in range(n)], y_ref[...].astype(F32)
+    post = post_ref[...]
+    updated = [a.astype(x_ref.dtype).astype(F32) for a in mix_tile(xs, y, res_ref[...], post)]
+    gs = _dx_tile(updated, g_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_ref)
+    dy, dres_ref[...], dpost_ref[...] = update_grads_tile(xs, gs, y, post)
+    dy_ref[...] = dy.astype(dy_ref.dtype)
 
 
 # ------------------------------------------------------------------------------------------ pallas calls
@@ -377,6 +416,43 @@ def _dx(x, g, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
     return dx, jnp.swapaxes(dw_t, 1, 2)
 
 
+def _update_dx(x, g, du, scalars, draw, w_t, previous, y, res, post, *, blocks, interpret, kernels=True):
+    """(dX [n, T, D], dW [n, D, C], dy [T, D], dH_res [T, n²], dH_post [T, n]) of a collapse that made the update
+    X = H_res X_prev + H_post (x) y (``x`` that X, ``previous`` X_prev): the collapse's dX and the update's deferred
+    backward from it in one kernel on grid (column tile, token tile), which reads X_prev and y, makes X again on the
+    tile and never reads X or writes-and-reads dX a second time; dH_res and dH_post come out per column tile and
+    are summed here, in the column tiles' order. Where no tile divides this shard's (T, D): :func:`_dx` on X, then
+    stream_mix's deferred backward (XLA forms)."""
+    n, tokens, dim = x.shape
+    blocks = _tiles(blocks, tokens, dim, kernels)
+    if blocks is None:
+        dx, dw = _dx(x, g, du, scalars, draw, w_t, blocks=None, interpret=interpret, kernels=False)
+        return dx, dw, *mix_backward(previous, y, res, post, dx, None, interpret, True)[1:]
+    tm, td = blocks
+    coeffs = draw.shape[1]
+    stream, slab = pl.BlockSpec((n, tm, td), lambda d, t: (0, t, d)), pl.BlockSpec((tm, td), lambda d, t: (t, d))
+    dw_spec = pl.BlockSpec((n, coeffs, td), lambda d, t: (0, 0, d))
+
+    def per_token(k: int) -> pl.BlockSpec:
+        return pl.BlockSpec((tm, k), lambda d, t: (t, 0))
+
+    def per_column_tile(k: int) -> pl.BlockSpec:
+        return pl.BlockSpec((None, tm, k), lambda d, t: (d, t, 0))
+    dx, dw_t, dy, dres, dpost = pl.pallas_call(
+        _update_dx_kernel, grid=(dim // td, tokens // tm),
+        in_specs=[stream, slab, per_token(n * n), per_token(n), stream, slab, per_token(n + 1 + n * n),
+                  per_token(coeffs), dw_spec],
+        out_specs=[stream, dw_spec, slab, per_column_tile(n * n), per_column_tile(n)],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((n, coeffs, dim), F32),
+                   jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct((dim // td, tokens, n * n), F32),
+                   jax.ShapeDtypeStruct((dim // td, tokens, n), F32)],
+        cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, blocks,
+                                   update_bytes=y.dtype.itemsize).dx,
+        interpret=interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(
+            previous, y, res, post, g, du, scalars, draw, w_t)
+    return dx, jnp.swapaxes(dw_t, 1, 2), dy, functools.reduce(jnp.add, dres), functools.reduce(jnp.add, dpost)
+
+
 # ------------------------------------------------------------------------------------------ the function
 Coefficients = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
@@ -440,7 +516,10 @@ def _collapse_fwd(coefficients, pre, x, w, params, gain, eps, blocks, interpret,
     return out, (out[0], w, h_pre, out[3], pullback, norm)
 
 
-def _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals, cotangents):
+def _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals, cotangents, update=()):
+    """The collapse's gradients (dX, dW, d_params, d_gain); with ``update`` = (X_prev, y, H_res [T, n²], H_post) of
+    the update that made X, also that update's (dy, dH_res, dH_post) (:func:`_update_dx`; dX then goes back as
+    X_prev's, the deferred rule)."""
     del coefficients, pre, eps
     x, w, h_pre, h_res, pullback, norm = residuals
     g, du, dh_post, dh_res = cotangents  # g: the stream update's output cotangent (module docstring)
@@ -457,11 +536,19 @@ def _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals,
             sums=(None, None, "tokens"))(x, u, du, inv, gain)
     draw, dss, dparams = pullback((dh_pre, dh_post.astype(F32), dh_res.astype(F32)))
     scalars = jnp.concatenate([h_pre, 2.0 * dss[:, None], h_res.reshape(h_res.shape[0], -1)], axis=1)
-    dx, dw = _on_shards(kernels, functools.partial(_dx, blocks=blocks, interpret=interpret, kernels=kernels),
-                        (STREAMS, STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "hc_coeffs"),
-                         ("streams", "hc_coeffs", "features")), (STREAMS, ("streams", "features", "hc_coeffs")),
-                        sums=(None, "tokens"))(x, g.astype(x.dtype), du, scalars, draw, jnp.swapaxes(w, 1, 2))
-    return dx, dw, dparams, dgain
+    names = (STREAMS, STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "hc_coeffs"),
+             ("streams", "hc_coeffs", "features"))
+    operands = (x, g.astype(x.dtype), du, scalars, draw, jnp.swapaxes(w, 1, 2))
+    grads = (STREAMS, ("streams", "features", "hc_coeffs"))
+    if not update:
+        dx, dw = _on_shards(kernels, functools.partial(_dx, blocks=blocks, interpret=interpret, kernels=kernels),
+                            names, grads, sums=(None, "tokens"))(*operands)
+        return dx, dw, dparams, dgain
+    mixing = (TOKENS, ("tokens", "streams"), ("tokens", "streams"))
+    dx, dw, *update_grads = _on_shards(
+        kernels, functools.partial(_update_dx, blocks=blocks, interpret=interpret, kernels=kernels),
+        (*names, STREAMS, *mixing), (*grads, *mixing), sums=(None, "tokens", None, None, None))(*operands, *update)
+    return dx, dw, dparams, dgain, *update_grads
 
 
 _collapse.defvjp(_collapse_fwd, _collapse_bwd)
@@ -480,22 +567,13 @@ def _update_collapse_fwd(coefficients, pre, x, y, res, post, w, params, gain, ep
 
 
 def _update_collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals, cotangents):
-    """The collapse's backward rule for the updated X, then the update's deferred one (stream_mix's ``defer``): the
-    updated X's cotangent goes back as X's, for the collapse that made X to apply H_resᵀ."""
-    collapsed, (x, y, res, post) = residuals
-    dx, dw, dparams, dgain = _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, collapsed, cotangents)
-    dy, dres, dpost = _on_shards(kernels, functools.partial(_update_grads, blocks=blocks, interpret=interpret,
-                                                            kernels=kernels),
-                                 (STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "streams"), STREAMS),
-                                 (TOKENS, ("tokens", "streams"), ("tokens", "streams")))(x, y, res, post, dx)
+    """The collapse's backward rule for the updated X, then the update's deferred one (stream_mix's ``defer``), in
+    one kernel on TPU (:func:`_update_dx`): the updated X's cotangent goes back as X's, for the collapse that made X
+    to apply H_resᵀ."""
+    collapsed, update = residuals
+    dx, dw, dparams, dgain, dy, dres, dpost = _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels,
+                                                            collapsed, cotangents, update)
     return dx, dy, dres, dpost, dw, dparams, dgain
-
-
-def _update_grads(x, y, res, post, g, *, blocks, interpret, kernels=True):
-    """(dy, dH_res [T, n²], dH_post) of the update X' = H_res X + H_post (x) y from X''s cotangent g: stream_mix's
-    deferred backward kernel on this shard's tiles (its XLA form where none divides)."""
-    _, tokens, dim = x.shape
-    return mix_backward(x, y, res, post, g, _tiles(blocks, tokens, dim, kernels), interpret, True)[1:]
 
 
 _update_collapse.defvjp(_update_collapse_fwd, _update_collapse_bwd)

@@ -89,14 +89,23 @@ def mix_kernel(x_ref, y_ref, res_ref, post_ref, out_ref):
     """One tile of the update: out[i] = sum_j res[:, i n + j] x[j] + post[:, i] y, float32, rounded once (also the
     first half of the collapse kernel that takes the update, :mod:`nash_mhc.ops.stream_collapse`)."""
     n = x_ref.shape[0]
-    xs = [x_ref[j].astype(F32) for j in range(n)]
-    y = y_ref[...].astype(F32)
-    res, post = res_ref[...], post_ref[...]  # [tm, n·n], [tm, n]
+    out = mix_tile([x_ref[j].astype(F32) for j in range(n)], y_ref[...].astype(F32), res_ref[...], post_ref[...])
+    for i in range(n):
+        out_ref[i] = out[i].astype(out_ref.dtype)
+
+
+def mix_tile(xs: list[jax.Array], y: jax.Array, res: jax.Array, post: jax.Array) -> list[jax.Array]:
+    """The n updated streams of one tile, float32 before rounding: sum_j res[:, i n + j] xs[j] + post[:, i] y, from
+    the n float32 tiles xs, y, res [tm, n·n] and post [tm, n]. The one definition of the update's sums in the
+    kernels (the update, the collapse that makes it, and the collapse's backward that makes it again)."""
+    n = len(xs)
+    out = []
     for i in range(n):
         acc = res[:, i * n:i * n + 1] * xs[0]
         for j in range(1, n):
             acc = acc + res[:, i * n + j:i * n + j + 1] * xs[j]
-        out_ref[i] = (acc + post[:, i:i + 1] * y).astype(out_ref.dtype)
+        out.append(acc + post[:, i:i + 1] * y)
+    return out
 
 
 def res_transpose(res: jax.Array, gs: list[jax.Array], j: int, offset: int = 0) -> jax.Array:
@@ -130,12 +139,8 @@ def _backward_kernel(x_ref, y_ref, res_ref, post_ref, g_ref, *out_refs):
     res, post = res_ref[...], post_ref[...]
     for j in range(n if dx_ref is not None else 0):
         dx_ref[j] = res_transpose(res, gs, j).astype(dx_ref.dtype)
-    dy = post[:, 0:1] * gs[0]
-    for i in range(1, n):
-        dy = dy + post[:, i:i + 1] * gs[i]
+    dy, dres, dpost = update_grads_tile(xs, gs, y, post)
     dy_ref[...] = dy.astype(dy_ref.dtype)
-    dres = _columns([jnp.sum(gs[i] * xs[j], axis=1, keepdims=True) for i in range(n) for j in range(n)])
-    dpost = _columns([jnp.sum(gs[i] * y, axis=1, keepdims=True) for i in range(n)])
 
     @pl.when(pl.program_id(1) == 0)
     def _start():
@@ -144,6 +149,19 @@ def _backward_kernel(x_ref, y_ref, res_ref, post_ref, g_ref, *out_refs):
 
     dres_ref[...] += dres
     dpost_ref[...] += dpost
+
+
+def update_grads_tile(xs: list[jax.Array], gs: list[jax.Array], y: jax.Array, post: jax.Array
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dy [tm, td] before rounding, dh_res [tm, n·n], dh_post [tm, n]: this tile's column sums) of the update from
+    the n float32 tiles of X and of the updated X's cotangent g, y and post [tm, n]."""
+    n = len(xs)
+    dy = post[:, 0:1] * gs[0]
+    for i in range(1, n):
+        dy = dy + post[:, i:i + 1] * gs[i]
+    dres = _columns([jnp.sum(gs[i] * xs[j], axis=1, keepdims=True) for i in range(n) for j in range(n)])
+    dpost = _columns([jnp.sum(gs[i] * y, axis=1, keepdims=True) for i in range(n)])
+    return dy, dres, dpost
 
 
 # ------------------------------------------------------------------------------------------ XLA forms
