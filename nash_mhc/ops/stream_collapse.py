@@ -36,10 +36,11 @@ back: one pass over the streams less per sublayer). The pass-through X may feed 
 Given the previous sublayer's update (``update`` = (y, H_res, H_post), for X the pass-through X of that
 sublayer's collapse), the collapse kernel first makes it, X' = H_res X + H_post (x) y on its tile of whole rows
 (:func:`nash_mhc.ops.stream_mix.mix_kernel`), writes X' once and collapses it from VMEM, so X' is not read back
-from HBM; the backward rule is the collapse's for X', then the update's deferred one (stream_mix's backward
-kernel with ``defer``). The model's layers chain their sublayers this way
-(:func:`nash_mhc.layers.hyperconnection.connect_pair`): each FFN's collapse makes its attention's update and
-each attention's collapse the previous layer's FFN update.
+from HBM; the backward rule is the collapse's for X', then the update's deferred one (stream_mix's ``defer``),
+in one "dx" kernel that reads the previous X and y in X''s place, makes X' again on its tile and computes dy,
+dH_res and dH_post from the tile's dX' (never written and read back). The model's layers chain their sublayers
+this way (:func:`nash_mhc.layers.hyperconnection.connect_pair`): each FFN's collapse makes its attention's update
+and, on TPU, each attention's collapse the previous layer's FFN update.
 
 In XLA the sum of squares and the projection read X in separate fusions (about 1 ms for one 1b sublayer on v6e
 against 0.33 ms for one read), and XLA's own backward of the slab form spends about 9 ms, writing float32 copies
