@@ -240,8 +240,8 @@ def test_under_a_mesh_each_shard_runs_the_kernels_on_its_tokens(normalised):
 
 def test_under_a_mesh_the_collapse_that_makes_the_update_runs_on_each_shard():
     """The pair of connections, the second's collapse making the first's update, under (data 2, fsdp 2, tp 2): every
-    kernel, the update's deferred backward included, on each shard's 32 tokens; gradients equal one device's to
-    float32 rounding."""
+    kernel, the dx kernel that also runs the update's backward included, on each shard's 32 tokens; gradients equal
+    one device's to float32 rounding."""
     hc1, x, s, w = connection("mhc", seed=11, tokens=128)
     hc2, _, s2, _ = connection("mhc", seed=12, tokens=128)
     grad = jax.jit(jax.grad(lambda hc1, hc2, x: pair_loss(hc1, hc2, x, hc1.norm.weight[:D], hc2.norm.weight[:D], s,
