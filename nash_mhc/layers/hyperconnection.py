@@ -277,6 +277,7 @@ def connect_pair(xs: Float[Array, "n seq dim"], first: tuple[HyperConnection, Su
         return xs, pending, h_res, h_res2
     return mix_streams(xs, *pending, defer=True), h_res, h_res2
 
+
 def _mhc_coefficients(mode: str, n: int, dim: int, eps: float, sinkhorn_iters: int, raw: jax.Array, ss: jax.Array,
                       params: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """mhc / mhc-lite (H_pre [T, n], H_post [T, n], H_res [T, n, n]) from the raw projection X (g ⊙ Φ) [T, C] and
