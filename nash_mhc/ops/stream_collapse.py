@@ -250,7 +250,7 @@ def _dx_tile(xs, g_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_ref):
     return [a.astype(F32) for a in dx]
 
 
-def _update_dx_kernel(x_ref, y_ref, res_ref, post_ref, g_ref, du_ref, scalars_ref, draw_ref, w_ref, dx_ref, dw_ref,
+def _update_dx_kernel(x_ref, g_ref, du_ref, scalars_ref, draw_ref, w_ref, y_ref, res_ref, post_ref, dx_ref, dw_ref,
                       dy_ref, dres_ref, dpost_ref):
     """The collapse's dX for the updated X, made again on the tile from the previous X and y (the forward kernel's
     sums, rounded alike), then the update's deferred backward from that dX: dy, and this column tile's part of
@@ -384,12 +384,18 @@ def _norm_dh_pre(x, u, dy, inv, gain, *, blocks, interpret, kernels=True):
     return du, dh, jnp.sum(dgain, axis=(0, 1))
 
 
-def _dx(x, g, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
+def _dx(x, g, du, scalars, draw, w_t, *update, blocks, interpret, kernels=True):
     """(dX [n, T, D], dW [n, D, C] float32 = X_jᵀ d_raw) on grid (column tile, token tile): W's column tile and
     dW's stay put while the tokens walk, dW summing over them. The kernel writes dWᵀ [n, C, D] (d_rawᵀ X_j: the
     transposed operand is the [tm, C] d_raw tile, not X's, and the block is lane-dense). The token axis is
     "arbitrary" (dW's sum runs along it), so a two-core chip (v4, v5p) splits only the column tiles. The slab form
-    in XLA where no tile divides this shard's (T, D)."""
+    in XLA where no tile divides this shard's (T, D).
+
+    ``update`` = (X_prev, y, H_res [T, n²], H_post) of the update X = H_res X_prev + H_post (x) y that made X: also
+    that update's deferred backward from dX, (dy [T, D], dH_res [T, n²], dH_post [T, n]), in the same kernel
+    (:func:`_update_dx_kernel`), which reads X_prev and y in X's place and makes X again on each tile, so neither X
+    nor dX is read a second time; dH_res and dH_post come out per column tile and are summed here, in the column
+    tiles' order. In XLA: the slab form on X, then stream_mix's deferred backward."""
     n, tokens, dim = x.shape
     blocks = _tiles(blocks, tokens, dim, kernels)
     coeffs = draw.shape[1]
@@ -400,37 +406,9 @@ def _dx(x, g, du, scalars, draw, w_t, *, blocks, interpret, kernels=True):
         # dW_j = X_jᵀ d_raw as (d_rawᵀ X_j)ᵀ from a materialised d_rawᵀ [C, T]: XLA CPU ran the product with
         # d_raw's C = 24 columns minor at ~25 GFLOP/s, the [C, D] one 2-3 x as fast (benchmarks/README.md)
         draw_t = jax.lax.optimization_barrier(draw.T)
-        return dx, jnp.swapaxes(jnp.stack([draw_t @ x[j].astype(F32) for j in range(n)]), 1, 2)
+        dw = jnp.swapaxes(jnp.stack([draw_t @ x[j].astype(F32) for j in range(n)]), 1, 2)
+        return dx, dw, *(mix_backward(*update, dx, None, interpret, True)[1:] if update else ())
     tm, td = blocks
-    stream = pl.BlockSpec((n, tm, td), lambda d, t: (0, t, d))
-    dx, dw_t = pl.pallas_call(
-        _dx_kernel, grid=(dim // td, tokens // tm),
-        in_specs=[stream, stream, pl.BlockSpec((tm, td), lambda d, t: (t, d)),
-                  pl.BlockSpec((tm, n + 1 + n * n), lambda d, t: (t, 0)),
-                  pl.BlockSpec((tm, coeffs), lambda d, t: (t, 0)),
-                  pl.BlockSpec((n, coeffs, td), lambda d, t: (0, 0, d))],
-        out_specs=[stream, pl.BlockSpec((n, coeffs, td), lambda d, t: (0, 0, d))],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((n, coeffs, dim), F32)],
-        cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, blocks).dx, interpret=interpret,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(
-            x, g, du, scalars, draw, w_t)
-    return dx, jnp.swapaxes(dw_t, 1, 2)
-
-
-def _update_dx(x, g, du, scalars, draw, w_t, previous, y, res, post, *, blocks, interpret, kernels=True):
-    """(dX [n, T, D], dW [n, D, C], dy [T, D], dH_res [T, n²], dH_post [T, n]) of a collapse that made the update
-    X = H_res X_prev + H_post (x) y (``x`` that X, ``previous`` X_prev): the collapse's dX and the update's deferred
-    backward from it in one kernel on grid (column tile, token tile), which reads X_prev and y, makes X again on the
-    tile and never reads X or writes-and-reads dX a second time; dH_res and dH_post come out per column tile and
-    are summed here, in the column tiles' order. Where no tile divides this shard's (T, D): :func:`_dx` on X, then
-    stream_mix's deferred backward (XLA forms)."""
-    n, tokens, dim = x.shape
-    blocks = _tiles(blocks, tokens, dim, kernels)
-    if blocks is None:
-        dx, dw = _dx(x, g, du, scalars, draw, w_t, blocks=None, interpret=interpret, kernels=False)
-        return dx, dw, *mix_backward(previous, y, res, post, dx, None, interpret, True)[1:]
-    tm, td = blocks
-    coeffs = draw.shape[1]
     stream, slab = pl.BlockSpec((n, tm, td), lambda d, t: (0, t, d)), pl.BlockSpec((tm, td), lambda d, t: (t, d))
     dw_spec = pl.BlockSpec((n, coeffs, td), lambda d, t: (0, 0, d))
 
@@ -439,19 +417,26 @@ def _update_dx(x, g, du, scalars, draw, w_t, previous, y, res, post, *, blocks, 
 
     def per_column_tile(k: int) -> pl.BlockSpec:
         return pl.BlockSpec((None, tm, k), lambda d, t: (d, t, 0))
-    dx, dw_t, dy, dres, dpost = pl.pallas_call(
-        _update_dx_kernel, grid=(dim // td, tokens // tm),
-        in_specs=[stream, slab, per_token(n * n), per_token(n), stream, slab, per_token(n + 1 + n * n),
-                  per_token(coeffs), dw_spec],
-        out_specs=[stream, dw_spec, slab, per_column_tile(n * n), per_column_tile(n)],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((n, coeffs, dim), F32),
-                   jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct((dim // td, tokens, n * n), F32),
-                   jax.ShapeDtypeStruct((dim // td, tokens, n), F32)],
-        cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, blocks,
-                                   update_bytes=y.dtype.itemsize).dx,
-        interpret=interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(
-            previous, y, res, post, g, du, scalars, draw, w_t)
-    return dx, jnp.swapaxes(dw_t, 1, 2), dy, functools.reduce(jnp.add, dres), functools.reduce(jnp.add, dpost)
+    kernel, operands = _dx_kernel, (x, g, du, scalars, draw, w_t)
+    in_specs = [stream, stream, slab, per_token(n + 1 + n * n), per_token(coeffs), dw_spec]
+    out_specs = [stream, dw_spec]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((n, coeffs, dim), F32)]
+    costs = kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, blocks,
+                         update_bytes=update[1].dtype.itemsize if update else None)
+    if update:  # X_prev in X's place
+        kernel, operands = _update_dx_kernel, (update[0], *operands[1:], *update[1:])
+        in_specs += [slab, per_token(n * n), per_token(n)]
+        out_specs += [slab, per_column_tile(n * n), per_column_tile(n)]
+        out_shape += [jax.ShapeDtypeStruct(update[1].shape, update[1].dtype),
+                      jax.ShapeDtypeStruct((dim // td, tokens, n * n), F32),
+                      jax.ShapeDtypeStruct((dim // td, tokens, n), F32)]
+    dx, dw_t, *mixing = pl.pallas_call(
+        kernel, grid=(dim // td, tokens // tm), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        cost_estimate=costs.dx, interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(*operands)
+    if update:
+        mixing = (mixing[0], functools.reduce(jnp.add, mixing[1]), functools.reduce(jnp.add, mixing[2]))
+    return dx, jnp.swapaxes(dw_t, 1, 2), *mixing
 
 
 # ------------------------------------------------------------------------------------------ the function
@@ -519,8 +504,8 @@ def _collapse_fwd(coefficients, pre, x, w, params, gain, eps, blocks, interpret,
 
 def _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals, cotangents, update=()):
     """The collapse's gradients (dX, dW, d_params, d_gain); with ``update`` = (X_prev, y, H_res [T, n²], H_post) of
-    the update that made X, also that update's (dy, dH_res, dH_post) (:func:`_update_dx`; dX then goes back as
-    X_prev's, the deferred rule)."""
+    the update that made X, also that update's (dy, dH_res, dH_post) (:func:`_dx`; dX then goes back as X_prev's,
+    the deferred rule)."""
     del coefficients, pre, eps
     x, w, h_pre, h_res, pullback, norm = residuals
     g, du, dh_post, dh_res = cotangents  # g: the stream update's output cotangent (module docstring)
@@ -537,18 +522,13 @@ def _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals,
             sums=(None, None, "tokens"))(x, u, du, inv, gain)
     draw, dss, dparams = pullback((dh_pre, dh_post.astype(F32), dh_res.astype(F32)))
     scalars = jnp.concatenate([h_pre, 2.0 * dss[:, None], h_res.reshape(h_res.shape[0], -1)], axis=1)
-    names = (STREAMS, STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "hc_coeffs"),
-             ("streams", "hc_coeffs", "features"))
-    operands = (x, g.astype(x.dtype), du, scalars, draw, jnp.swapaxes(w, 1, 2))
-    grads = (STREAMS, ("streams", "features", "hc_coeffs"))
-    if not update:
-        dx, dw = _on_shards(kernels, functools.partial(_dx, blocks=blocks, interpret=interpret, kernels=kernels),
-                            names, grads, sums=(None, "tokens"))(*operands)
-        return dx, dw, dparams, dgain
-    mixing = (TOKENS, ("tokens", "streams"), ("tokens", "streams"))
+    mixing = (TOKENS, ("tokens", "streams"), ("tokens", "streams")) if update else ()  # y / dy, H_res, H_post
     dx, dw, *update_grads = _on_shards(
-        kernels, functools.partial(_update_dx, blocks=blocks, interpret=interpret, kernels=kernels),
-        (*names, STREAMS, *mixing), (*grads, *mixing), sums=(None, "tokens", None, None, None))(*operands, *update)
+        kernels, functools.partial(_dx, blocks=blocks, interpret=interpret, kernels=kernels),
+        (STREAMS, STREAMS, TOKENS, ("tokens", "streams"), ("tokens", "hc_coeffs"), ("streams", "hc_coeffs", "features"),
+         *((STREAMS, *mixing) if update else ())), (STREAMS, ("streams", "features", "hc_coeffs"), *mixing),
+        sums=(None, "tokens", *(None,) * len(mixing)))(x, g.astype(x.dtype), du, scalars, draw,
+                                                       jnp.swapaxes(w, 1, 2), *update)
     return dx, dw, dparams, dgain, *update_grads
 
 
@@ -569,8 +549,8 @@ def _update_collapse_fwd(coefficients, pre, x, y, res, post, w, params, gain, ep
 
 def _update_collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels, residuals, cotangents):
     """The collapse's backward rule for the updated X, then the update's deferred one (stream_mix's ``defer``), in
-    one kernel on TPU (:func:`_update_dx`): the updated X's cotangent goes back as X's, for the collapse that made X
-    to apply H_resᵀ."""
+    one kernel on TPU (:func:`_dx` with the update): the updated X's cotangent goes back as X's, for the collapse
+    that made X to apply H_resᵀ."""
     collapsed, update = residuals
     dx, dw, dparams, dgain, dy, dres, dpost = _collapse_bwd(coefficients, pre, eps, blocks, interpret, kernels,
                                                             collapsed, cotangents, update)
