@@ -208,18 +208,35 @@ MUTATIONS = {
                                                    "wide_ref[pl.ds(0, coarse, stride=block), :] * w[o:o + 1, :]")],
                                                  ["tests/test_downsample_kernel.py"]),
     "downsampling backward writes dx before reading x": ("nash_mhc/ops/downsample_kernel.py",
-                                                         [("        dw_ref[o:o + 1, :] = jnp.sum(wide_ref[at, :] * g, "
-                                                           "axis=0, keepdims=True)\n"
-                                                           "        wide_ref[at, :] = g * w[o:o + 1, :]",
-                                                           "        wide_ref[at, :] = g * w[o:o + 1, :]\n"
-                                                           "        dw_ref[o:o + 1, :] = jnp.sum(wide_ref[at, :] * g, "
-                                                           "axis=0, keepdims=True)")],
+                                                         [("    gs = [g_ref[...].astype(F32) for g_ref in g_refs]\n",
+                                                           "    gs = [g_ref[...].astype(F32) for g_ref in g_refs]\n"
+                                                           "    wide_ref[pl.ds(0, gs[0].shape[0], "
+                                                           "stride=ws[0].shape[0]), :] = gs[0] * ws[0][0:1, :]\n")],
                                                          ["tests/test_downsample_kernel.py"]),
+    "downsampling levels' dx keeps the last level's": ("nash_mhc/ops/downsample_kernel.py",
+                                                       [("wide_ref[at, :] = part if level == 0 else "
+                                                         "wide_ref[at, :] + part", "wide_ref[at, :] = part")],
+                                                       ["tests/test_downsample_kernel.py"]),
     "downsampling cost fetches w once per tile": ("nash_mhc/ops/downsample_kernel.py",
-                                                  [("x, w, coarse = elems * x_bytes, block * dim * w_bytes,",
-                                                    "x, w, coarse = elems * x_bytes, block * dim * w_bytes * "
-                                                    "(seq // rows) * sequences,")],
+                                                  [("x, w = elems * x_bytes, sum(blocks) * dim * w_bytes",
+                                                    "x, w = elems * x_bytes, sum(blocks) * dim * w_bytes * "
+                                                    "(seq // rows) * sequences")],
                                                   ["tests/test_downsample_kernel.py"]),
+    "downsampling levels' cost counts no sum": ("nash_mhc/ops/downsample_kernel.py",
+                                                [("3 * elems * levels + elems * (levels - 1)", "3 * elems * levels")],
+                                                ["tests/test_downsample_kernel.py"]),
+    "multiscale downsamples the levels apart on TPU": ("nash_mhc/ops/multiscale.py",
+                                                       [('min(blocks) > 1 and settled_platform() == "tpu"',
+                                                         'min(blocks) > 1 and settled_platform() == "never"')],
+                                                       ["tests/test_downsample_kernel.py"]),
+    "flash dQ kernel's D without dO": ("nash_mhc/ops/flash_attention.py",
+                                       [("jnp.sum(od_ref[...].astype(F32) * do_ref[...].astype(F32), axis=1",
+                                         "jnp.sum(od_ref[...].astype(F32), axis=1")],
+                                       ["tests/test_flash_attention.py"]),
+    "flash cost reads O in dK, dV, not dQ": ("nash_mhc/ops/flash_attention.py",
+                                             [("3 * one + 2 * rows + 2 * visited + one, flops=",
+                                               "2 * one + 2 * rows + 2 * visited + one, flops=")],
+                                             ["tests/test_flash_attention.py"]),
     "upsampling kernel shifts nothing": ("nash_mhc/ops/upsample_kernel.py",
                                          [("jnp.where(row == 0, previous, pltpu.roll(y, shift=1, axis=0))", "y")],
                                          ["tests/test_upsample_kernel.py"]),

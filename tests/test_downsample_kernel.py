@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 from helpers import declared, moved
 
-from nash_mhc.ops.downsample_kernel import downsample_heads_kernel, downsample_kernel, kernel_costs, row_tile
-from nash_mhc.ops.multiscale import downsample, downsample_heads
+from nash_mhc.ops.dispatch import lowering_platform
+from nash_mhc.ops.downsample_kernel import (
+    downsample_heads_kernel,
+    downsample_heads_levels_kernel,
+    downsample_kernel,
+    downsample_levels_kernel,
+    kernel_costs,
+    row_tile,
+)
+from nash_mhc.ops.multiscale import downsample, downsample_heads, downsample_heads_levels, downsample_levels
 from nash_mhc.sharding import make_mesh
 
 T, D, ROWS = 512, 256, 256  # 2 row tiles x 2 column tiles per sequence
@@ -110,12 +118,14 @@ def test_row_tiles_and_bad_tiles():
     x, w, _ = problem(4, jnp.float32)
     with pytest.raises(ValueError, match=r"downsampling kernels need a row tile that divides seq = 512"):
         downsample_kernel(x, w, rows=96, interpret=True)
+    with pytest.raises(ValueError, match=r"whole groups of 16 blocks of each of \(4, 16\)"):  # 128 rows: 8 blocks of 16
+        downsample_levels_kernel(x, (w, jnp.ones((16, D))), rows=128, interpret=True)
 
 
 @pytest.mark.parametrize("sequences,seq,dim,block,rows,x_bytes", [
     (2, 512, 256, 4, 256, 4), (2, 768, 256, 4, 256, 2), (16, 2048, 2048, 16, 2048, 2)])
 def test_declared_cost_is_the_grids_work_and_bytes(sequences, seq, dim, block, rows, x_bytes):
-    forward, backward = kernel_costs(sequences, seq, dim, block, rows, x_bytes, x_bytes, x_bytes)
+    forward, backward = kernel_costs(sequences, seq, dim, (block,), rows, x_bytes, x_bytes, x_bytes)
     elems = sequences * seq * dim
     assert forward.flops == 2 * elems  # a multiply and an add per element of x
     assert backward.flops == 3 * elems  # dw's multiply-add, dx's multiply
@@ -134,7 +144,8 @@ def test_declared_cost_is_the_grids_work_and_bytes(sequences, seq, dim, block, r
 def test_the_tpu_branches_declare_the_kernels_costs(sequences, seq, dim, block, x_bytes):
     """What downsample's and downsample_heads' TPU branches declare in the value and gradient, forward then backward
     (the other branch is XLA), at the default row tile: the backward rule's forward kernels are dead code."""
-    forward, backward = kernel_costs(sequences, seq, dim, block, row_tile(seq, dim, block), x_bytes, x_bytes, x_bytes)
+    forward, backward = kernel_costs(sequences, seq, dim, (block,), row_tile(seq, dim, block), x_bytes, x_bytes,
+                                     x_bytes)
     dtype = {2: jnp.bfloat16, 4: jnp.float32}[x_bytes]
 
     def loss(x, w):
@@ -143,3 +154,123 @@ def test_the_tpu_branches_declare_the_kernels_costs(sequences, seq, dim, block, 
     got = declared(jax.value_and_grad(loss, argnums=(0, 1)), jax.ShapeDtypeStruct((sequences, seq, dim), dtype),
                    jax.ShapeDtypeStruct((block, dim), dtype), live=True)
     assert got == [forward, forward, backward, backward]
+
+
+# ------------------------------------------------------------------------------ several levels in one call
+BLOCKS = (4, 16)
+
+
+def levels_problem(dtype, batch: int = 2, seed: int = 4):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(batch, T, D)), dtype)
+    ws = tuple(jnp.asarray(rng.normal(size=(block, D)), dtype) for block in BLOCKS)
+    gs = tuple(jnp.asarray(rng.normal(size=(batch, T // block, D)), dtype) for block in BLOCKS)
+    return x, ws, gs
+
+
+def levels_kernel(x, ws):
+    return downsample_levels_kernel(x, ws, rows=ROWS, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_call_for_several_levels_matches_float64_numpy(dtype):
+    """y_l of each level, dx = sum_l dx_l (float32 sums rounded once) and each dw_l, against the equations."""
+    x, ws, gs = levels_problem(dtype)
+    ys, pullback = jax.vjp(levels_kernel, x, ws)
+    dx, dws = pullback(gs)
+    want = [reference(x, w, g) for w, g in zip(ws, gs, strict=True)]
+    rtol = {jnp.float32: 1e-6, jnp.bfloat16: float(jnp.finfo(jnp.bfloat16).eps)}[dtype]
+    pairs = [(y, y_ref) for y, (y_ref, _, _) in zip(ys, want, strict=True)]
+    pairs += [(dw, dw_ref) for dw, (_, _, dw_ref) in zip(dws, want, strict=True)]
+    pairs += [(dx, sum(dx_ref for _, dx_ref, _ in want))]
+    for got, expected in pairs:
+        assert got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=rtol, atol=1e-5 * np.abs(expected).max())
+
+
+def test_one_call_for_several_levels_is_one_call_per_level():
+    """float32: each y_l and dw_l bit for bit the one-level kernel's, dx their dx's sum (rounded once)."""
+    x, ws, gs = levels_problem(jnp.float32, seed=5)
+    ys, pullback = jax.vjp(levels_kernel, x, ws)
+    dx, dws = pullback(gs)
+    dx_sum = 0.0
+    for y, dw, w, g in zip(ys, dws, ws, gs, strict=True):
+        y_one, pullback_one = jax.vjp(kernel, x, w)
+        dx_one, dw_one = pullback_one(g)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y_one))
+        np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw_one))
+        dx_sum = dx_sum + np.asarray(dx_one)
+    np.testing.assert_allclose(np.asarray(dx), dx_sum, rtol=1e-6, atol=1e-6 * np.abs(dx_sum).max())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_call_for_several_levels_of_the_heads_is_downsampling_of_the_flattened_heads(dtype):
+    """v [B, T, H, K] read head-major: the XLA form's numbers on [B, T, H K] for every level; dx, rounded once, against
+    float64 (XLA's sum of the levels' dx, each rounded to bfloat16 first, is off by more where they cancel)."""
+    x, ws, gs = levels_problem(dtype, seed=6)
+    heads = x.reshape(2, T, 2, 128)
+    g_heads = tuple(g.reshape(2, -1, 2, 128) for g in gs)
+
+    def head_major(v, ws):
+        return downsample_heads_levels_kernel(v, ws, rows=ROWS, interpret=True)
+
+    def xla(v, ws):
+        return tuple(downsample_heads(v, w) for w in ws)
+    (ys, pullback), (ys_xla, pullback_xla) = jax.vjp(head_major, heads, ws), jax.vjp(xla, heads, ws)
+    (dx, dws), (dx_xla, dws_xla) = pullback(g_heads), pullback_xla(g_heads)
+    assert [y.shape for y in ys] == [(2, T // block, 2, 128) for block in BLOCKS]
+    if dtype == jnp.bfloat16:
+        dx_xla = sum(reference(x, w, g)[1] for w, g in zip(ws, gs, strict=True)).reshape(heads.shape)
+    rtol = {jnp.float32: 1e-6, jnp.bfloat16: float(jnp.finfo(jnp.bfloat16).eps)}[dtype]
+    for got, want in zip((*ys, *dws, dx), (*ys_xla, *dws_xla, dx_xla), strict=True):
+        want = np.asarray(want, np.float64)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=rtol, atol=1e-5 * np.abs(want).max())
+
+
+def test_one_call_for_several_levels_under_a_mesh_equals_one_device():
+    x, ws, gs = levels_problem(jnp.float32, batch=4, seed=7)
+    run = jax.jit(lambda x, ws, gs: (levels_kernel(x, ws), *jax.vjp(levels_kernel, x, ws)[1](gs)))
+    one = run(x, ws, gs)
+    with jax.set_mesh(make_mesh(2, 2, 2)):
+        sharded = run(x, ws, gs)
+        assert "shard_map" in str(jax.make_jaxpr(run)(x, ws, gs))
+    (ys, dx, dws), (ys_one, dx_one, dws_one) = sharded, one
+    for got, want in zip((*ys, dx), (*ys_one, dx_one), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for got, want in zip(dws, dws_one, strict=True):  # the shards' partial sums added in another order
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("sequences,seq,dim,rows,x_bytes", [(2, 512, 256, 256, 4), (16, 2048, 2048, 2048, 2)])
+def test_declared_cost_of_several_levels_is_the_grids_work_and_bytes(sequences, seq, dim, rows, x_bytes):
+    forward, backward = kernel_costs(sequences, seq, dim, BLOCKS, rows, x_bytes, x_bytes, x_bytes)
+    elems = sequences * seq * dim
+    assert forward.flops == 2 * elems * len(BLOCKS)  # per level a multiply and an add per element of x
+    assert backward.flops == 3 * elems * len(BLOCKS) + elems  # per level dw's multiply-add, dx's multiply; dx's sum
+    for groups in (1, dim // 128):
+        grid = (groups, dim // groups // 128, sequences, seq // rows)
+        fine = (rows * 128 * x_bytes, lambda g, c, n, t: (n, g, t, c))
+        coarse = [(rows // block * 128 * x_bytes, lambda g, c, n, t: (n, g, t, c)) for block in BLOCKS]
+        weights = [(block * 128 * x_bytes, lambda g, c, n, t: (g, c)) for block in BLOCKS]
+        partials = [(block * 128 * 4, lambda g, c, n, t: (n, t, g, c)) for block in BLOCKS]
+        assert forward.bytes_accessed == moved(grid, [fine, *weights, *coarse])
+        assert backward.bytes_accessed == moved(grid, [fine, *weights, *coarse, fine, *partials])
+
+
+def test_lowered_for_tpu_the_levels_are_one_call_of_the_kernels():
+    """downsample_levels / downsample_heads_levels: lowered for TPU, one forward and one backward kernel for both
+    levels, with the levels' declared cost; lowered for the CPU, no kernel (one XLA downsampling per level)."""
+    sequences, seq, dim = 2, 2048, 256
+    forward, backward = kernel_costs(sequences, seq, dim, BLOCKS, row_tile(seq, dim, 16), 2, 2, 2)
+
+    def loss(x, ws):
+        heads = x.reshape(sequences, seq, dim // 128, 128)
+        total = sum(y.astype(jnp.float32).sum() for y in downsample_levels(x, ws))
+        return total + sum(y.astype(jnp.float32).sum() for y in downsample_heads_levels(heads, ws))
+    args = (jax.ShapeDtypeStruct((sequences, seq, dim), jnp.bfloat16),
+            tuple(jax.ShapeDtypeStruct((block, dim), jnp.bfloat16) for block in BLOCKS))
+    with lowering_platform("tpu"):
+        assert declared(jax.value_and_grad(loss, argnums=(0, 1)), *args, live=True) == [forward, forward, backward,
+                                                                                         backward]
+    with lowering_platform("cpu"):
+        assert declared(jax.value_and_grad(loss, argnums=(0, 1)), *args, live=True) == []

@@ -12,6 +12,8 @@ import pytest
 from helpers import declared
 from jax.sharding import PartitionSpec as P
 
+from nash_mhc.layers.attention import attend
+from nash_mhc.ops.dispatch import lowering_platform
 from nash_mhc.ops.flash_attention import BLOCK_SIZES, flash_block, flash_causal_attention, kernel_costs
 from nash_mhc.sharding import make_mesh, per_shard_attention
 
@@ -56,9 +58,18 @@ def test_forward_and_gradients_match_float64_reference(float32_case):
         np.testing.assert_allclose(np.asarray(a, np.float64), b, atol=2e-5, rtol=2e-5, err_msg=name)
 
 
-def test_bfloat16_inputs_stay_within_bfloat16_rounding_of_the_reference():
+def test_the_dq_kernel_making_d_gives_the_reference_gradients(float32_case):
+    """dq_makes_d: D = rowsum(dO ∘ O) made in the dQ kernel instead of XLA, the same gradients."""
+    (q, k, v, do), _, want = float32_case
+    got = flash_with_grads(q, k, v, do, dq_makes_d=True)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, atol=2e-5, rtol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("dq_makes_d", [False, True])
+def test_bfloat16_inputs_stay_within_bfloat16_rounding_of_the_reference(dq_makes_d):
     q, k, v, do = inputs(jnp.bfloat16, seed=1)
-    got = flash_with_grads(q, k, v, do)
+    got = flash_with_grads(q, k, v, do, dq_makes_d=dq_makes_d)
     want = reference(q, k, v, do)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert a.dtype == jnp.bfloat16, name
@@ -120,8 +131,9 @@ def schedule(n: int, outer_index, inner_index):
     return fetched
 
 
+@pytest.mark.parametrize("dq_makes_d", [False, True])
 @pytest.mark.parametrize("seq,block,itemsize", [(384, 128, 4), (2048, 512, 2), (128, 128, 2)])
-def test_declared_cost_is_the_schedules_flops_exponentials_and_bytes(seq, block, itemsize):
+def test_declared_cost_is_the_schedules_flops_exponentials_and_bytes(seq, block, itemsize, dq_makes_d):
     """Counted independently: visited block pairs by position (a pair is visited when its first key is at or
     before its last query), fetches by walking the grid, and the pallas_calls' own declarations by jaxpr."""
     n = seq // block
@@ -139,7 +151,10 @@ def test_declared_cost_is_the_schedules_flops_exponentials_and_bytes(seq, block,
         "dq": (3 * per_pair * visited, visited * block**2,
                3 * fwd["outer"] * tile + 2 * seq * 4 + 2 * fwd["inner"] * tile),
     }
-    costs = kernel_costs(B, seq, H, K, itemsize, block)
+    if dq_makes_d:  # dQ reads O as well and writes D instead of reading it: a multiply-add per element of O
+        want["dq"] = (3 * per_pair * visited + 2 * seq * K, visited * block**2,
+                      4 * fwd["outer"] * tile + 2 * seq * 4 + 2 * fwd["inner"] * tile)
+    costs = kernel_costs(B, seq, H, K, itemsize, block, dq_makes_d)
     for name, (flops, exps, moved) in want.items():
         got = getattr(costs, name)
         assert (got.flops, got.transcendentals, got.bytes_accessed) == (units * flops, units * exps,
@@ -149,8 +164,8 @@ def test_declared_cost_is_the_schedules_flops_exponentials_and_bytes(seq, block,
     x = jax.ShapeDtypeStruct((B, seq, H, K), dtype)
 
     def loss(q, k, v):
-        return flash_causal_attention(q, k, v, block=block).astype(jnp.float32).sum()
-    assert declared(jax.grad(loss, argnums=(0, 1, 2)), x, x, x) == [costs.forward, costs.dkv, costs.dq]
+        return flash_causal_attention(q, k, v, block=block, dq_makes_d=dq_makes_d).astype(jnp.float32).sum()
+    assert declared(jax.grad(loss, argnums=(0, 1, 2)), x, x, x) == [costs.forward, costs.dq, costs.dkv]
 
 
 def test_cudnn_attention_only_where_it_can_run(monkeypatch):
@@ -180,3 +195,17 @@ def test_a_gpu_backend_without_cuda_keeps_the_xla_attention(monkeypatch):
     q = jax.random.normal(jax.random.key(0), (2, 64, 4, 16), jnp.float32).astype(jnp.bfloat16)
     text = jax.jit(attend).lower(q, q, q).as_text()
     assert "cudnn" not in text.lower()
+
+
+@pytest.mark.parametrize("kernel_consumer", [False, True])
+def test_attention_feeding_a_kernel_makes_d_in_the_dq_kernel_on_tpu(kernel_consumer):
+    """attend(kernel_consumer=True), lowered for TPU: the dQ kernel makes D (its declared cost says so); without
+    it XLA makes D, which it fuses into dO's producer where that is a matmul."""
+    seq = 256
+    costs = kernel_costs(B, seq, H, K, 2, flash_block(seq), kernel_consumer)
+    x = jax.ShapeDtypeStruct((B, seq, H, K), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return attend(q, k, v, kernel_consumer=kernel_consumer).astype(jnp.float32).sum()
+    with lowering_platform("tpu"):
+        assert declared(jax.grad(loss, argnums=(0, 1, 2)), x, x, x) == [costs.forward, costs.dq, costs.dkv]

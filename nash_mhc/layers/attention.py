@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -13,14 +15,21 @@ from nash_mhc.layers.init import EMBED_STD, normal, output_std
 from nash_mhc.ops.attention import causal_attention, cudnn_causal_attention, cudnn_usable
 from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.ops.flash_attention import flash_block, flash_causal_attention
-from nash_mhc.ops.multiscale import downsample, downsample_heads, renormalise, upsample_shifted
+from nash_mhc.ops.multiscale import (
+    downsample,
+    downsample_heads_levels,
+    downsample_levels,
+    renormalise,
+    upsample_shifted,
+)
 from nash_mhc.ops.rope import rope
 from nash_mhc.params import param
 from nash_mhc.sharding import constrain_batch, per_shard_attention
 
 
 def attend(q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch seq heads head_dim"],
-           v: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq heads head_dim"]:
+           v: Float[Array, "batch seq heads head_dim"], *, kernel_consumer: bool = False
+           ) -> Float[Array, "batch seq heads head_dim"]:
     """Causal attention of a batch: q, k, v [B, T, H, K] → [B, T, H, K].
 
     Lowered for TPU, the Pallas flash kernels (:func:`nash_mhc.ops.flash_attention.flash_causal_attention`);
@@ -33,12 +42,14 @@ def attend(q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch s
     platform (``dispatch.platform_dependent``), so one model serves every backend, except that the cuDNN
     branch exists only where the tracing host's default backend is such a GPU (a cuDNN call cannot be traced
     elsewhere: a step traced on a CPU host takes the XLA path on a GPU). All paths compute the same function
-    with float32 scores and softmax; their rounding differs (block-wise online softmax).
+    with float32 scores and softmax; their rounding differs (block-wise online softmax). ``kernel_consumer``: the
+    output goes to a Pallas kernel on TPU (the Nash aggregation's, the upsampling's), so the flash backward makes
+    its D = rowsum(dO ∘ O) in its dQ kernel (``dq_makes_d``), which XLA cannot fuse into that kernel.
     """
     xla = jax.vmap(causal_attention)
     kernels = {}
     if flash_block(q.shape[1]) is not None:
-        kernels["tpu"] = per_shard_attention(flash_causal_attention)
+        kernels["tpu"] = per_shard_attention(functools.partial(flash_causal_attention, dq_makes_d=kernel_consumer))
     if cudnn_usable(q):
         kernels["cuda"] = per_shard_attention(cudnn_causal_attention)
     if not kernels:
@@ -112,6 +123,12 @@ class MultiscaleAttention(eqx.Module):
         down = self.down[level - 1].astype(jnp.dtype(self.dtype))
         return renormalise(downsample(x, down), self.norm_eps)
 
+    def coarse_inputs(self, x: Float[Array, "*batch seq dim"]) -> tuple[Float[Array, "*batch blocks dim"], ...]:
+        """:meth:`coarse_input` of every level ≥ 1, downsampled together
+        (:func:`nash_mhc.ops.multiscale.downsample_levels`: one kernel call on TPU)."""
+        downs = [down.astype(jnp.dtype(self.dtype)) for down in self.down]
+        return tuple(renormalise(pooled, self.norm_eps) for pooled in downsample_levels(x, downs))
+
     def output(self, out: Float[Array, "*batch seq heads head_dim"]) -> Float[Array, "*batch seq dim"]:
         """Output projection of the aggregated heads."""
         dt = jnp.dtype(self.dtype)
@@ -120,7 +137,7 @@ class MultiscaleAttention(eqx.Module):
     def _scale(self, level: int, x: jax.Array, v: jax.Array) -> jax.Array:
         """Attention output at one scale on its own (coarse) positions: [B, T_l, H, K]."""
         q, k = self.queries_keys(level, x)
-        return attend(q, k, v)
+        return attend(q, k, v, kernel_consumer=self.aggregation is not None)  # the aggregation or upsampling
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, x: Float[Array, "*batch seq dim"]) -> tuple[
@@ -148,9 +165,9 @@ class MultiscaleAttention(eqx.Module):
         else:
             # the fine output stays [B, T, H, K]: the Nash kernels read it where flash attention left it
             outputs, masks = [fine], [jnp.ones((seq,), bool)]
-            for level, block in enumerate(self.block_sizes[1:], start=1):
-                x_l = self.coarse_input(level, x)
-                v_l = downsample_heads(v, self.down[level - 1].astype(dt))
+            coarse_v = downsample_heads_levels(v, [down.astype(dt) for down in self.down])
+            levels = zip(self.block_sizes[1:], self.coarse_inputs(x), coarse_v, strict=True)
+            for level, (block, x_l, v_l) in enumerate(levels, start=1):
                 o_l = self._scale(level, x_l, v_l).reshape(batch, -1, dim)
                 up, avail = upsample_shifted(o_l, seq, block)
                 outputs.append(up)

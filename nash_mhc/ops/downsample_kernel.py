@@ -8,6 +8,11 @@ and for the cotangent g [N, T / s, D] of y
 
     dx[n, j s + o] = w[o] g[n, j]            dw[o] = sum_{n, j} g[n, j] x[n, j s + o]       kernel "backward"
 
+One call serves several levels at once (weights w_l [s_l, D], l = 1..L, one y_l each): the forward kernel reads
+x once for all of them, the backward kernel reads x once and writes dx = sum_l dx_l once (float32 sums in the
+levels' order, rounded once), where one call per level read x L times, wrote L fine-length dx and left XLA to add
+them (:func:`downsample_levels_kernel`; the `1b` Nash-MHC step on v6e-8 has two coarse levels, docs/tpu.md).
+
 The kernels work on x [N, G, T, C] with weights [G, s, C] (D = G C): :func:`downsample_kernel` passes [N, 1, T, D];
 :func:`downsample_heads_kernel` passes the values [B, T, H, K] as [B, H, T, K], the head-major layout the value
 projection already has for flash attention, so no copy makes them row-major (in the `1b` step that copy was about
@@ -23,12 +28,15 @@ time (docs/tpu.md). The backward kernel writes dw as float32 partial sums per (s
 Each ``pallas_call`` declares its cost (:func:`kernel_costs`); the kernels run on each device's sequences
 (:func:`nash_mhc.sharding.per_shard`: batch over data x fsdp, positions and columns whole). They run on TPU only
 (:func:`nash_mhc.ops.multiscale.downsample` dispatches with :func:`nash_mhc.ops.dispatch.platform_vjp`, forward and
-backward); ``interpret=True`` runs them in Pallas' interpreter (CPU tests).
+backward; :func:`nash_mhc.ops.multiscale.downsample_levels` where the step is lowered for TPU); ``interpret=True``
+runs them in Pallas' interpreter (CPU tests).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,54 +62,68 @@ def row_tile(seq: int, dim: int, block: int) -> int | None:
     return next((rows for rows in ROW_TILES if seq % rows == 0 and rows % (TILE_ROWS * block) == 0), None)
 
 
-def kernel_costs(sequences: int, seq: int, dim: int, block: int, rows: int, x_bytes: int, w_bytes: int,
-                 g_bytes: int) -> tuple[pl.CostEstimate, pl.CostEstimate]:
-    """(forward, backward) FLOPs and HBM bytes of one call on x [sequences, seq, dim] of itemsize ``x_bytes``.
+def kernel_costs(sequences: int, seq: int, dim: int, blocks: Sequence[int], rows: int, x_bytes: int,
+                 w_bytes: int, g_bytes: int) -> tuple[pl.CostEstimate, pl.CostEstimate]:
+    """(forward, backward) FLOPs and HBM bytes of one call on x [sequences, seq, dim] of itemsize ``x_bytes`` for
+    the levels of block sizes ``blocks``.
 
-    forward: a multiply and an add per element of x; reads x and w (w's column tile stays resident while the
-    grid walks the sequences and row tiles under it), writes y [.., seq / block, dim]. backward: per element of
-    x a multiply-add (dw) and a multiply (dx); reads x, w and g (itemsize ``g_bytes``), writes dx in x's dtype and
-    the float32 partial sums of dw [sequences, seq / rows, block, dim]."""
-    elems = sequences * seq * dim
-    x, w, coarse = elems * x_bytes, block * dim * w_bytes, elems // block
-    forward = pl.CostEstimate(flops=2 * elems, transcendentals=0, bytes_accessed=x + w + coarse * x_bytes)
-    partials = sequences * (seq // rows) * block * dim * 4
-    backward = pl.CostEstimate(flops=3 * elems, transcendentals=0,
+    forward: a multiply and an add per element of x and level; reads x once and each level's w (w's column tile
+    stays resident while the grid walks the sequences and row tiles under it), writes each y_l [.., seq / s_l,
+    dim]. backward: per element of x and level a multiply-add (dw) and a multiply (dx), and an add per element
+    for each level after the first (dx's sum); reads x, each w and g_l (itemsize ``g_bytes``), writes dx in x's
+    dtype once and the float32 partial sums of each dw [sequences, seq / rows, s_l, dim]."""
+    elems, levels = sequences * seq * dim, len(blocks)
+    x, w = elems * x_bytes, sum(blocks) * dim * w_bytes
+    coarse = sum(elems // block for block in blocks)
+    forward = pl.CostEstimate(flops=2 * elems * levels, transcendentals=0, bytes_accessed=x + w + coarse * x_bytes)
+    partials = sequences * (seq // rows) * sum(blocks) * dim * 4
+    backward = pl.CostEstimate(flops=3 * elems * levels + elems * (levels - 1), transcendentals=0,
                                bytes_accessed=2 * x + w + coarse * g_bytes + partials)
     return forward, backward
 
 
 # -------------------------------------------------------------------------------------------- kernels
-def _forward_kernel(x_ref, w_ref, y_ref, wide_ref):
-    block, coarse = w_ref.shape[0], y_ref.shape[0]
+def _forward_kernel(x_ref, *refs, levels):
+    w_refs, y_refs, wide_ref = refs[:levels], refs[levels:2 * levels], refs[-1]
     wide_ref[...] = x_ref[...].astype(F32)
-    w = w_ref[...].astype(F32)
-    total = wide_ref[pl.ds(0, coarse, stride=block), :] * w[0:1, :]
-    for o in range(1, block):
-        total = total + wide_ref[pl.ds(o, coarse, stride=block), :] * w[o:o + 1, :]
-    y_ref[...] = total.astype(y_ref.dtype)
+    for w_ref, y_ref in zip(w_refs, y_refs, strict=True):
+        block, coarse = w_ref.shape[0], y_ref.shape[0]
+        w = w_ref[...].astype(F32)
+        total = wide_ref[pl.ds(0, coarse, stride=block), :] * w[0:1, :]
+        for o in range(1, block):
+            total = total + wide_ref[pl.ds(o, coarse, stride=block), :] * w[o:o + 1, :]
+        y_ref[...] = total.astype(y_ref.dtype)
 
 
-def _backward_kernel(x_ref, w_ref, g_ref, dx_ref, dw_ref, wide_ref):
-    block, coarse = w_ref.shape[0], g_ref.shape[0]
+def _backward_kernel(x_ref, *refs, levels):
+    w_refs, g_refs = refs[:levels], refs[levels:2 * levels]
+    dx_ref, dw_refs, wide_ref = refs[2 * levels], refs[2 * levels + 1:3 * levels + 1], refs[-1]
     wide_ref[...] = x_ref[...].astype(F32)
-    w, g = w_ref[...].astype(F32), g_ref[...].astype(F32)
-    for o in range(block):
-        at = pl.ds(o, coarse, stride=block)
-        dw_ref[o:o + 1, :] = jnp.sum(wide_ref[at, :] * g, axis=0, keepdims=True)
-        wide_ref[at, :] = g * w[o:o + 1, :]  # offset o's rows are read above before they are overwritten
+    ws = [w_ref[...].astype(F32) for w_ref in w_refs]
+    gs = [g_ref[...].astype(F32) for g_ref in g_refs]
+    for w, g, dw_ref in zip(ws, gs, dw_refs, strict=True):  # every dw from x, before the scratch holds dx
+        block, coarse = w.shape[0], g.shape[0]
+        for o in range(block):
+            dw_ref[o:o + 1, :] = jnp.sum(wide_ref[pl.ds(o, coarse, stride=block), :] * g, axis=0, keepdims=True)
+    for level, (w, g) in enumerate(zip(ws, gs, strict=True)):  # dx = sum_l dx_l; the first level's offsets cover
+        block, coarse = w.shape[0], g.shape[0]                  # every row
+        for o in range(block):
+            at = pl.ds(o, coarse, stride=block)
+            part = g * w[o:o + 1, :]
+            wide_ref[at, :] = part if level == 0 else wide_ref[at, :] + part
     dx_ref[...] = wide_ref[...].astype(dx_ref.dtype)
 
 
-def _grid_specs(x: jax.Array, w: jax.Array, rows: int):
-    """Grid (groups, column tiles, sequences, row tiles) for x [N, G, T, C] and w [G, s, C]: each tile of w is
-    fetched once, as the sequences and row tiles under it run."""
+def _grid_specs(x: jax.Array, ws: Sequence[jax.Array], rows: int):
+    """Grid (groups, column tiles, sequences, row tiles) for x [N, G, T, C] and each w [G, s, C], with the specs of
+    x, of each level's coarse array and of each w: each tile of w is fetched once, as the sequences and row tiles
+    under it run."""
     sequences, groups, seq, columns = x.shape
-    block = w.shape[1]
     grid = (groups, columns // LANES, sequences, seq // rows)
     fine = pl.BlockSpec((None, None, rows, LANES), lambda group, c, n, t: (n, group, t, c))
-    coarse = pl.BlockSpec((None, None, rows // block, LANES), lambda group, c, n, t: (n, group, t, c))
-    weights = pl.BlockSpec((None, block, LANES), lambda group, c, n, t: (group, 0, c))
+    coarse = [pl.BlockSpec((None, None, rows // w.shape[1], LANES), lambda group, c, n, t: (n, group, t, c))
+              for w in ws]
+    weights = [pl.BlockSpec((None, w.shape[1], LANES), lambda group, c, n, t: (group, 0, c)) for w in ws]
     return grid, fine, coarse, weights
 
 
@@ -109,90 +131,113 @@ def _params() -> pltpu.CompilerParams:
     return pltpu.CompilerParams(dimension_semantics=("parallel",) * 4)
 
 
-def _costs(x, w, g_bytes, rows):
+def _costs(x, ws, g_bytes, rows):
     sequences, groups, seq, columns = x.shape
-    return kernel_costs(sequences, seq, groups * columns, w.shape[1], rows, x.dtype.itemsize, w.dtype.itemsize,
-                        g_bytes)
+    return kernel_costs(sequences, seq, groups * columns, [w.shape[1] for w in ws], rows, x.dtype.itemsize,
+                        ws[0].dtype.itemsize, g_bytes)
 
 
-def _forward_shard(x, w, *, rows, interpret):
+def _forward_shard(x, *ws, rows, interpret):
     sequences, groups, seq, columns = x.shape
-    grid, fine, coarse, weights = _grid_specs(x, w, rows)
-    return pl.pallas_call(
-        _forward_kernel, grid=grid, in_specs=[fine, weights], out_specs=coarse,
-        out_shape=jax.ShapeDtypeStruct((sequences, groups, seq // w.shape[1], columns), x.dtype),
-        scratch_shapes=[pltpu.VMEM((rows, LANES), F32)], cost_estimate=_costs(x, w, x.dtype.itemsize, rows)[0],
-        interpret=interpret, compiler_params=_params())(x, w)
+    grid, fine, coarse, weights = _grid_specs(x, ws, rows)
+    ys = pl.pallas_call(
+        functools.partial(_forward_kernel, levels=len(ws)), grid=grid, in_specs=[fine, *weights], out_specs=coarse,
+        out_shape=[jax.ShapeDtypeStruct((sequences, groups, seq // w.shape[1], columns), x.dtype) for w in ws],
+        scratch_shapes=[pltpu.VMEM((rows, LANES), F32)], cost_estimate=_costs(x, ws, x.dtype.itemsize, rows)[0],
+        interpret=interpret, compiler_params=_params())(x, *ws)
+    return tuple(ys)
 
 
-def _backward_shard(x, w, g, *, rows, interpret):
+def _backward_shard(x, *operands, rows, interpret):
     sequences, groups, seq, columns = x.shape
-    block = w.shape[1]
-    grid, fine, coarse, weights = _grid_specs(x, w, rows)
-    partial = pl.BlockSpec((None, None, None, block, LANES), lambda group, c, n, t: (n, t, group, 0, c))
-    return pl.pallas_call(
-        _backward_kernel, grid=grid, in_specs=[fine, weights, coarse], out_specs=[fine, partial],
+    levels = len(operands) // 2
+    ws, gs = operands[:levels], operands[levels:]
+    grid, fine, coarse, weights = _grid_specs(x, ws, rows)
+    partials = [pl.BlockSpec((None, None, None, w.shape[1], LANES), lambda group, c, n, t: (n, t, group, 0, c))
+                for w in ws]
+    dx, *dws = pl.pallas_call(
+        functools.partial(_backward_kernel, levels=levels), grid=grid, in_specs=[fine, *weights, *coarse],
+        out_specs=[fine, *partials],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
-                   jax.ShapeDtypeStruct((sequences, seq // rows, groups, block, columns), F32)],
-        scratch_shapes=[pltpu.VMEM((rows, LANES), F32)], cost_estimate=_costs(x, w, g.dtype.itemsize, rows)[1],
-        interpret=interpret, compiler_params=_params())(x, w, g)
+                   *(jax.ShapeDtypeStruct((sequences, seq // rows, groups, w.shape[1], columns), F32) for w in ws)],
+        scratch_shapes=[pltpu.VMEM((rows, LANES), F32)], cost_estimate=_costs(x, ws, gs[0].dtype.itemsize, rows)[1],
+        interpret=interpret, compiler_params=_params())(x, *ws, *gs)
+    return (dx, *dws)
 
 
 # ---------------------------------------------------------------------------------------------- public
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _downsample(x: jax.Array, w: jax.Array, rows: int, interpret: bool) -> jax.Array:
+def _downsample(x: jax.Array, ws: tuple[jax.Array, ...], rows: int, interpret: bool) -> tuple[jax.Array, ...]:
     run = functools.partial(_forward_shard, rows=rows, interpret=interpret)
-    return per_shard(run, (SEQUENCES, WEIGHTS), SEQUENCES)(x, w)
+    return per_shard(run, (SEQUENCES, *(WEIGHTS,) * len(ws)), (SEQUENCES,) * len(ws))(x, *ws)
 
 
-def _downsample_forward(x, w, rows, interpret):
-    return _downsample(x, w, rows, interpret), (x, w)
+def _downsample_forward(x, ws, rows, interpret):
+    return _downsample(x, ws, rows, interpret), (x, ws)
 
 
-def _downsample_backward(rows, interpret, residuals, g):
-    x, w = residuals
+def _downsample_backward(rows, interpret, residuals, gs):
+    x, ws = residuals
     run = functools.partial(_backward_shard, rows=rows, interpret=interpret)
-    dx, partials = per_shard(run, (SEQUENCES, WEIGHTS, SEQUENCES), (SEQUENCES, PARTIALS))(x, w, g)
-    return dx, jnp.sum(partials, axis=(0, 1)).astype(w.dtype)  # [G, s, C]
+    levels = len(ws)
+    dx, *partials = per_shard(run, (SEQUENCES, *(WEIGHTS,) * levels, *(SEQUENCES,) * levels),
+                              (SEQUENCES, *(PARTIALS,) * levels))(x, *ws, *gs)
+    return dx, tuple(jnp.sum(p, axis=(0, 1)).astype(w.dtype) for p, w in zip(partials, ws, strict=True))  # [G, s, C]
 
 
 _downsample.defvjp(_downsample_forward, _downsample_backward)
 
 
-def _checked_rows(seq: int, columns: int, block: int, rows: int | None) -> int:
-    rows = row_tile(seq, columns, block) if rows is None else rows
-    if rows is None or seq % rows or rows % (TILE_ROWS * block) or columns % LANES:
+def _checked_rows(seq: int, columns: int, blocks: Sequence[int], rows: int | None) -> int:
+    rows = row_tile(seq, columns, math.lcm(*blocks)) if rows is None else rows
+    if rows is None or seq % rows or any(rows % (TILE_ROWS * block) for block in blocks) or columns % LANES:
         raise ValueError(f"downsampling kernels need a row tile that divides seq = {seq} into whole groups of "
-                         f"{TILE_ROWS} blocks of {block} and columns = {columns} a multiple of {LANES}, got "
-                         f"rows = {rows}")
+                         f"{TILE_ROWS} blocks of each of {tuple(blocks)} and columns = {columns} a multiple of "
+                         f"{LANES}, got rows = {rows}")
     return rows
+
+
+def downsample_levels_kernel(x: jax.Array, weights: Sequence[jax.Array], *, rows: int | None = None,
+                             interpret: bool = False) -> tuple[jax.Array, ...]:
+    """(y_l [*batch, seq / s_l, D] for each level's weights [s_l, D]) of x [*batch, seq, D] (module docstring), in
+    x's dtype, by one call of the kernels, differentiable in x and every weight. ``rows``: positions per tile,
+    default :func:`row_tile` for the blocks' least common multiple; ValueError where no tile fits (the caller's
+    XLA form applies there)."""
+    *batch, seq, dim = x.shape
+    blocks = [w.shape[0] for w in weights]
+    rows = _checked_rows(seq, dim, blocks, rows)
+    ys = _downsample(x.reshape(-1, 1, seq, dim), tuple(w.reshape(1, w.shape[0], dim) for w in weights), rows,
+                     interpret)
+    return tuple(y.reshape(*batch, seq // block, dim) for y, block in zip(ys, blocks, strict=True))
 
 
 def downsample_kernel(x: jax.Array, weights: jax.Array, *, rows: int | None = None, interpret: bool = False
                       ) -> jax.Array:
-    """y [*batch, seq / s, D] (module docstring) of x [*batch, seq, D] and weights [s, D], in x's dtype, by the
-    kernels, differentiable in both. ``rows``: positions per tile, default :func:`row_tile`; ValueError where
-    no tile fits (the caller's XLA form applies there)."""
-    *batch, seq, dim = x.shape
-    block = weights.shape[0]
-    rows = _checked_rows(seq, dim, block, rows)
-    y = _downsample(x.reshape(-1, 1, seq, dim), weights.reshape(1, block, dim), rows, interpret)
-    return y.reshape(*batch, seq // block, dim)
+    """:func:`downsample_levels_kernel` of one level: y [*batch, seq / s, D] of x [*batch, seq, D] and weights
+    [s, D]."""
+    return downsample_levels_kernel(x, (weights,), rows=rows, interpret=interpret)[0]
+
+
+def downsample_heads_levels_kernel(v: jax.Array, weights: Sequence[jax.Array], *, rows: int | None = None,
+                                   interpret: bool = False) -> tuple[jax.Array, ...]:
+    """:func:`downsample_levels_kernel` of v [*batch, seq, H, K] as [*batch, seq, H K], each y_l returned as
+    [*batch, seq / s_l, H, K]: the kernels read v head-major ([N, H, seq, K]), each head's columns with its own
+    columns of weights [s_l, H K]. K must be a multiple of 128."""
+    *batch, seq, heads, head_dim = v.shape
+    blocks = [w.shape[0] for w in weights]
+    rows = _checked_rows(seq, head_dim, blocks, rows)
+    head_major = jnp.swapaxes(v.reshape(-1, seq, heads, head_dim), 1, 2)
+    ws = tuple(jnp.swapaxes(w.reshape(w.shape[0], heads, head_dim), 0, 1) for w in weights)
+    ys = _downsample(head_major, ws, rows, interpret)
+    return tuple(jnp.swapaxes(y, 1, 2).reshape(*batch, seq // block, heads, head_dim)
+                 for y, block in zip(ys, blocks, strict=True))
 
 
 def downsample_heads_kernel(v: jax.Array, weights: jax.Array, *, rows: int | None = None, interpret: bool = False
                             ) -> jax.Array:
-    """:func:`downsample_kernel` of v [*batch, seq, H, K] as [*batch, seq, H K], returned as [*batch, seq / s, H, K]:
-    the kernels read v head-major ([N, H, seq, K]), each head's columns with its own columns of weights [s, H K].
-    K must be a multiple of 128."""
-    *batch, seq, heads, head_dim = v.shape
-    block = weights.shape[0]
-    rows = _checked_rows(seq, head_dim, block, rows)
-    head_major = jnp.swapaxes(v.reshape(-1, seq, heads, head_dim), 1, 2)
-    w = jnp.swapaxes(weights.reshape(block, heads, head_dim), 0, 1)
-    y = _downsample(head_major, w, rows, interpret)
-    return jnp.swapaxes(y, 1, 2).reshape(*batch, seq // block, heads, head_dim)
+    """:func:`downsample_heads_levels_kernel` of one level: [*batch, seq, H, K] → [*batch, seq / s, H, K]."""
+    return downsample_heads_levels_kernel(v, (weights,), rows=rows, interpret=interpret)[0]
 
 
-__all__ = ["LANES", "ROW_TILES", "TILE_ROWS", "downsample_heads_kernel", "downsample_kernel", "kernel_costs",
-           "row_tile"]
+__all__ = ["LANES", "ROW_TILES", "TILE_ROWS", "downsample_heads_kernel", "downsample_heads_levels_kernel",
+           "downsample_kernel", "downsample_levels_kernel", "kernel_costs", "row_tile"]

@@ -9,11 +9,15 @@ blocks 0..i only (the all-masked upper blocks are skipped, inside the diagonal b
 masked to probability exactly 0). Three kernels:
 
   forward   grid (B, H, query block i, key block j): O and the log-sum-exp L [B, H, 1, T] of every row
-  dK, dV    grid (B, H, key block j, query block i): accumulates over the query blocks that see key block j
   dQ        grid (B, H, query block i, key block j)
+  dK, dV    grid (B, H, key block j, query block i): accumulates over the query blocks that see key block j
 
 The backward kernels work on the transposed scores Sᵀ = K Qᵀ [key, query], so the per-query L and
-D = rowsum(dO ∘ O) broadcast as rows ([1, block]) and no kernel transposes a score-sized array.
+D = rowsum(dO ∘ O) broadcast as rows ([1, block]) and no kernel transposes a score-sized array. D is made in
+XLA, which fuses it into dO's producer where that is an XLA matmul (the output projection of full attention), or,
+with ``dq_makes_d=True``, by the dQ kernel from query block i's dO and O before its first key block (it reads O
+once more and writes D for the dK, dV kernel): for a dO that a Pallas kernel makes (Nash-MHC's aggregation),
+where D in XLA is a pass of its own over dO and O (1.65 ms of the `1b` step on v6e-8, docs/tpu.md).
 
 Each kernel declares its cost (:class:`jax.experimental.pallas.CostEstimate`): the FLOPs of the matmuls it runs
 (visited block pairs only), the exponentials, and the HBM bytes its block schedule moves. Pallas re-fetches a
@@ -61,16 +65,18 @@ class KernelCosts:
     dq: pl.CostEstimate
 
 
-def kernel_costs(batch: int, seq: int, heads: int, head_dim: int, itemsize: int, block: int) -> KernelCosts:
-    """FLOPs, exponentials and HBM bytes of the three kernels.
+def kernel_costs(batch: int, seq: int, heads: int, head_dim: int, itemsize: int, block: int,
+                 dq_makes_d: bool = False) -> KernelCosts:
+    """FLOPs, exponentials and HBM bytes of the three kernels (``dq_makes_d``: the dQ kernel makes D).
 
     With n = T / block blocks, P = n (n + 1) / 2 visited (query block, key block) pairs per head, b = block:
-    matmul FLOPs per visited pair are 2 b² K per matmul (forward 2 matmuls, dK/dV 4, dQ 3); one exponential per
-    score. HBM bytes per head: a block whose index does not change between consecutive grid steps is not
-    fetched again, so the operands indexed by the outer block are read once and the ones indexed by the inner
-    block once per visited pair, less one (n > 1) where two consecutive outer blocks meet at the same inner
-    index (forward and dQ: outer 0 ends and outer 1 starts at key block 0; dK/dV: outer n-2 ends and outer
-    n-1 starts at query block n-1); outputs are written once. L and D are float32 rows of T.
+    matmul FLOPs per visited pair are 2 b² K per matmul (forward 2 matmuls, dK/dV 4, dQ 3), and dQ's D a
+    multiply-add per element of O; one exponential per score. HBM bytes per head: a block whose index does not
+    change between consecutive grid steps is not fetched again, so the operands indexed by the outer block are
+    read once and the ones indexed by the inner block once per visited pair, less one (n > 1) where two
+    consecutive outer blocks meet at the same inner index (forward and dQ: outer 0 ends and outer 1 starts at key
+    block 0; dK/dV: outer n-2 ends and outer n-1 starts at query block n-1); outputs are written once. L and D
+    are float32 rows of T (dK/dV reads D; dQ reads it, or reads O and writes D).
     """
     n = seq // block
     pairs = n * (n + 1) // 2
@@ -82,13 +88,17 @@ def kernel_costs(batch: int, seq: int, heads: int, head_dim: int, itemsize: int,
     rows = seq * 4                           # L or D, float32 [T]
     units = batch * heads
 
-    def cost(matmuls: int, transcendentals: int, bytes_accessed: int) -> pl.CostEstimate:
-        return pl.CostEstimate(flops=units * matmuls * per_pair * pairs, transcendentals=units * transcendentals,
-                               bytes_accessed=units * bytes_accessed)
+    def cost(matmuls: int, transcendentals: int, bytes_accessed: int, flops: int = 0) -> pl.CostEstimate:
+        return pl.CostEstimate(flops=units * (matmuls * per_pair * pairs + flops),
+                               transcendentals=units * transcendentals, bytes_accessed=units * bytes_accessed)
 
     forward = cost(2, exps + seq, one + 2 * visited + one + rows)            # q, k, v | o, L (+ T logs)
     dkv = cost(4, exps, 2 * one + 2 * visited + 2 * reads * block * 4 + 2 * one)  # k, v | q, dO, L, D | dk, dv
-    dq = cost(3, exps, 2 * one + 2 * rows + 2 * visited + one)               # q, dO, L, D | k, v | dq
+    if dq_makes_d:
+        # q, dO, O, L | D | k, v | dq, and D's multiply-add per element of O
+        dq = cost(3, exps, 3 * one + 2 * rows + 2 * visited + one, flops=2 * seq * head_dim)
+    else:
+        dq = cost(3, exps, 2 * one + 2 * rows + 2 * visited + one)           # q, dO, L, D | k, v | dq
     return KernelCosts(forward, dkv, dq)
 
 
@@ -161,12 +171,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref, dk_
         dv_ref[...] = dv_scratch[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dq_ref, dq_scratch, *, scale, block):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, od_ref, dq_ref, *refs, scale, block, makes_d):
+    """``od_ref``: D's row, or with ``makes_d`` O's block, and then ``refs`` starts with D's output row."""
     i, j = pl.program_id(2), pl.program_id(3)
+    d_ref, dq_scratch = refs if makes_d else (od_ref, *refs)
 
     @pl.when(j == 0)
     def _start():
         dq_scratch[...] = jnp.zeros(dq_scratch.shape, F32)
+        if makes_d:
+            d = jnp.sum(od_ref[...].astype(F32) * do_ref[...].astype(F32), axis=1, keepdims=True)  # [bq, 1]
+            d_ref[...] = jnp.transpose(jnp.broadcast_to(d, (d.shape[0], LANES)))[:1, :]  # → the row [1, bq]
 
     @pl.when(j <= i)
     def _visit():
@@ -226,12 +241,23 @@ def _forward(q, k, v, block, interpret):
         **_params(interpret))(q, k, v)
 
 
-def _backward(q, k, v, o, lse, do, block, interpret):
+def _backward(q, k, v, o, lse, do, block, interpret, dq_makes_d):
     batch, heads, seq, head_dim = q.shape
     n = seq // block
     scale = head_dim**-0.5
-    d = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1)[:, :, None, :]  # D [B, H, 1, T]
-    costs = kernel_costs(batch, seq, heads, head_dim, q.dtype.itemsize, block)
+    costs = kernel_costs(batch, seq, heads, head_dim, q.dtype.itemsize, block, dq_makes_d)
+    row = jax.ShapeDtypeStruct((batch, heads, 1, seq), F32)  # D [B, H, 1, T]
+    d = None if dq_makes_d else jnp.sum(o.astype(F32) * do.astype(F32), axis=-1)[:, :, None, :]
+    dq, *made = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=scale, block=block, makes_d=dq_makes_d), grid=(batch, heads, n, n),
+        in_specs=[_spec(block, head_dim, _outer), _spec(block, head_dim, _inner_up_to_outer),
+                  _spec(block, head_dim, _inner_up_to_outer), _spec(block, head_dim, _outer),
+                  _row_spec(block, _outer), _spec(block, head_dim, _outer) if dq_makes_d else _row_spec(block, _outer)],
+        out_specs=[_spec(block, head_dim, _outer), *([_row_spec(block, _outer)] if dq_makes_d else [])],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), *([row] if dq_makes_d else [])],
+        scratch_shapes=[pltpu.VMEM((block, head_dim), F32)],
+        cost_estimate=costs.dq, **_params(interpret))(q, k, v, do, lse, o if dq_makes_d else d)
+    d = made[0] if dq_makes_d else d
     # dK, dV: the outer grid axis walks key blocks, the inner one the query blocks that see them.
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, block=block), grid=(batch, heads, n, n),
@@ -242,48 +268,40 @@ def _backward(q, k, v, o, lse, do, block, interpret):
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_shapes=[pltpu.VMEM((block, head_dim), F32), pltpu.VMEM((block, head_dim), F32)],
         cost_estimate=costs.dkv, **_params(interpret))(q, k, v, do, lse, d)
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, block=block), grid=(batch, heads, n, n),
-        in_specs=[_spec(block, head_dim, _outer), _spec(block, head_dim, _inner_up_to_outer),
-                  _spec(block, head_dim, _inner_up_to_outer), _spec(block, head_dim, _outer),
-                  _row_spec(block, _outer), _row_spec(block, _outer)],
-        out_specs=_spec(block, head_dim, _outer),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_shapes=[pltpu.VMEM((block, head_dim), F32)],
-        cost_estimate=costs.dq, **_params(interpret))(q, k, v, do, lse, d)
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _flash(q, k, v, block, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _flash(q, k, v, block, interpret, dq_makes_d):
     return _forward(q, k, v, block, interpret)[0]
 
 
-def _flash_fwd(q, k, v, block, interpret):
+def _flash_fwd(q, k, v, block, interpret, dq_makes_d):
     o, lse = _forward(q, k, v, block, interpret)
     return o, (q, k, v, o, lse)
 
 
-def _flash_bwd(block, interpret, residuals, do):
+def _flash_bwd(block, interpret, dq_makes_d, residuals, do):
     q, k, v, o, lse = residuals
-    return _backward(q, k, v, o, lse, do.astype(q.dtype), block, interpret)
+    return _backward(q, k, v, o, lse, do.astype(q.dtype), block, interpret, dq_makes_d)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def flash_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int | None = None,
-                           interpret: bool = False) -> jax.Array:
+                           interpret: bool = False, dq_makes_d: bool = False) -> jax.Array:
     """Causal softmax attention of q, k, v [B, T, H, K] (one dtype) → [B, T, H, K], by the Pallas kernels.
 
     ``block``: the query and key block size (default :func:`flash_block`); ValueError unless it is a multiple
-    of 128 that divides T."""
+    of 128 that divides T. ``dq_makes_d``: the backward's dQ kernel makes D = rowsum(dO ∘ O), for an output whose
+    gradient comes from a kernel XLA cannot fuse D into (module docstring); the same function either way."""
     seq = q.shape[1]
     block = flash_block(seq) if block is None else block
     if block is None or block % LANES or seq % block:
         raise ValueError(f"flash attention needs a block size that is a multiple of {LANES} and divides the "
                          f"sequence length {seq}, got {block}")
-    out = _flash(_head_major(q), _head_major(k), _head_major(v), block, interpret)
+    out = _flash(_head_major(q), _head_major(k), _head_major(v), block, interpret, dq_makes_d)
     return _head_major(out)
 
 

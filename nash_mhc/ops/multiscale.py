@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +12,14 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
-from nash_mhc.ops.dispatch import platform_dependent, platform_vjp
-from nash_mhc.ops.downsample_kernel import downsample_heads_kernel, downsample_kernel, row_tile
+from nash_mhc.ops.dispatch import platform_dependent, platform_vjp, settled_platform
+from nash_mhc.ops.downsample_kernel import (
+    downsample_heads_kernel,
+    downsample_heads_levels_kernel,
+    downsample_kernel,
+    downsample_levels_kernel,
+    row_tile,
+)
 from nash_mhc.ops.upsample_kernel import upsample_kernel, upsample_row_tile
 
 CHUNK = 128  # positions per chunk of the matmul forms (TPU): a multiple of every block size they serve
@@ -75,6 +83,38 @@ def downsample_heads(v: Float[Array, "*batch seq heads head_dim"], weights: Floa
     def xla(v: jax.Array, weights: jax.Array) -> jax.Array:
         return _downsample_xla(v.reshape(*batch, seq, heads * head_dim), weights).reshape(*batch, -1, heads, head_dim)
     return platform_vjp(downsample_heads_kernel, xla)(v, weights.astype(v.dtype))
+
+
+def _levels_tile(seq: int, dim: int, blocks: Sequence[int]) -> bool:
+    """Whether one call of the levels' kernels serves ``blocks``: the step is lowered for TPU
+    (:func:`nash_mhc.ops.dispatch.settled_platform`), more than one level, every block > 1 and a row tile that
+    holds whole groups of every level's blocks."""
+    return (len(blocks) > 1 and min(blocks) > 1 and settled_platform() == "tpu"
+            and row_tile(seq, dim, math.lcm(*blocks)) is not None)
+
+
+def downsample_levels(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """:func:`downsample` of x [*batch, seq, D] by each level's weights [s_l, D]: (y_l [*batch, seq / s_l, D], ...).
+
+    Lowered for TPU where one row tile fits every level, a single call of the kernels
+    (:func:`nash_mhc.ops.downsample_kernel.downsample_levels_kernel`): x read once forward and backward, dx written
+    once; there its dx is the levels' float32 sum rounded once, where separate calls round each level's dx to x's
+    dtype before XLA adds them. Elsewhere (CPU, GPU, the platform not settled at tracing) one :func:`downsample`
+    per level, the same program as before."""
+    *_, seq, dim = x.shape
+    if _levels_tile(seq, dim, [w.shape[0] for w in weights]):
+        return downsample_levels_kernel(x, tuple(w.astype(x.dtype) for w in weights))
+    return tuple(downsample(x, w) for w in weights)
+
+
+def downsample_heads_levels(v: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """:func:`downsample_heads` of v [*batch, seq, H, K] by each level's weights [s_l, H K], as
+    :func:`downsample_levels` does it: one call of the head-major kernels lowered for TPU where a tile fits
+    (:func:`nash_mhc.ops.downsample_kernel.downsample_heads_levels_kernel`), else one call per level."""
+    *_, seq, _, head_dim = v.shape
+    if _levels_tile(seq, head_dim, [w.shape[0] for w in weights]):
+        return downsample_heads_levels_kernel(v, tuple(w.astype(v.dtype) for w in weights))
+    return tuple(downsample_heads(v, w) for w in weights)
 
 
 def _chunked(seq: int, block: int) -> bool:
