@@ -246,18 +246,22 @@ def _backward(q, k, v, o, lse, do, block, interpret, dq_makes_d):
     n = seq // block
     scale = head_dim**-0.5
     costs = kernel_costs(batch, seq, heads, head_dim, q.dtype.itemsize, block, dq_makes_d)
-    row = jax.ShapeDtypeStruct((batch, heads, 1, seq), F32)  # D [B, H, 1, T]
-    d = None if dq_makes_d else jnp.sum(o.astype(F32) * do.astype(F32), axis=-1)[:, :, None, :]
+    if dq_makes_d:  # the dQ kernel reads O and writes D [B, H, 1, T]
+        last, last_spec = o, _spec(block, head_dim, _outer)
+        d_specs, d_shapes = [_row_spec(block, _outer)], [jax.ShapeDtypeStruct((batch, heads, 1, seq), F32)]
+    else:  # D in XLA, read by the dQ kernel
+        last, last_spec = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1)[:, :, None, :], _row_spec(block, _outer)
+        d_specs, d_shapes = [], []
     dq, *made = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, block=block, makes_d=dq_makes_d), grid=(batch, heads, n, n),
         in_specs=[_spec(block, head_dim, _outer), _spec(block, head_dim, _inner_up_to_outer),
                   _spec(block, head_dim, _inner_up_to_outer), _spec(block, head_dim, _outer),
-                  _row_spec(block, _outer), _spec(block, head_dim, _outer) if dq_makes_d else _row_spec(block, _outer)],
-        out_specs=[_spec(block, head_dim, _outer), *([_row_spec(block, _outer)] if dq_makes_d else [])],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), *([row] if dq_makes_d else [])],
+                  _row_spec(block, _outer), last_spec],
+        out_specs=[_spec(block, head_dim, _outer), *d_specs],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), *d_shapes],
         scratch_shapes=[pltpu.VMEM((block, head_dim), F32)],
-        cost_estimate=costs.dq, **_params(interpret))(q, k, v, do, lse, o if dq_makes_d else d)
-    d = made[0] if dq_makes_d else d
+        cost_estimate=costs.dq, **_params(interpret))(q, k, v, do, lse, last)
+    d = made[0] if dq_makes_d else last
     # dK, dV: the outer grid axis walks key blocks, the inner one the query blocks that see them.
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, block=block), grid=(batch, heads, n, n),
