@@ -194,8 +194,9 @@ def test_aggregation_weights_receive_gradient(aggregation):
 
 
 def test_padded_vocab_columns_get_no_probability():
-    config = ModelConfig.preset("tiny")
-    logits = LanguageModel(config, key=jax.random.key(0))(tokens()).logits
+    # the head masks the padding whatever the residual and attention: the cheapest model to compile
+    config = ModelConfig.preset("tiny", residual="plain", attention="full")
+    logits = eqx.filter_jit(lambda m, t: m(t).logits)(LanguageModel(config, key=jax.random.key(0)), tokens())
     assert logits.shape == (SEQ, config.padded_vocab_size)
     probs = jax.nn.softmax(logits, axis=-1)
     assert float(jnp.max(probs[:, config.vocab_size:])) == 0.0
