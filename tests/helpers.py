@@ -4,6 +4,7 @@ move."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 from pathlib import Path
@@ -19,6 +20,10 @@ from nash_mhc.training import train_step
 from nash_mhc.training.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# the TPU compiler's tests (libtpu compiles for abstract TPU devices on this CPU host)
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="needs libtpu (pip install -e '.[tpu]')")
 
 # (residual, attention, aggregation) modes of the quick loop's per-mode invariant tests: the default mode, each
 # residual with full attention, each aggregation with mHC and multiscale attention, and mHC-lite with multiscale.

@@ -5,7 +5,6 @@ cycle estimates of a large matmul. Needs libtpu (skips without it); no TPU."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import ROOT
+from helpers import ROOT, needs_libtpu
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -23,9 +22,6 @@ from nash_mhc.training import step as step_module
 from nash_mhc.training.estimate import CLOCK_HZ, EstimateError, parse_hlo, step_cost, trip_count
 from nash_mhc.training.fit import abstract_batch, abstract_train_state, topology_devices
 from nash_mhc.training.throughput import table_peak
-
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="needs libtpu (pip install -e '.[tpu]')")
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ without it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -16,7 +15,7 @@ import sys
 
 import jax
 import pytest
-from helpers import ROOT
+from helpers import ROOT, needs_libtpu
 
 from nash_mhc import ModelConfig, TrainConfig, make_mesh
 from nash_mhc import train as train_program
@@ -32,8 +31,6 @@ from nash_mhc.training.fit import (
 )
 from nash_mhc.training.state import init_train_state
 
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="needs libtpu (pip install -e '.[tpu]')")
 GIB = 2**30
 
 # Cloud TPU accelerator types and their chip grids, as Google's TPU documentation lists them (v4 and v5p

@@ -13,10 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
-from helpers import declared, equations, moved
+from helpers import declared, equations, moved, needs_libtpu
 
 from nash_mhc.layers.hyperconnection import HyperConnection, _mhc_pre_weights, _pre_operand, connect_pair
-from nash_mhc.ops.stream_collapse import ROW_TILE_BYTES, PreWeights, _row_tile, collapse_streams, kernel_costs
+from nash_mhc.ops.stream_collapse import (
+    ROW_TILE_BYTES,
+    PreWeights,
+    _dx_tiles,
+    _row_tile,
+    collapse_streams,
+    kernel_costs,
+)
 from nash_mhc.ops.stream_mix import stream_mix
 from nash_mhc.sharding import make_mesh
 
@@ -133,17 +140,18 @@ def test_the_collapse_normalises_u_for_the_sublayer_like_the_float64_reference(k
     assert_central_differences(values, got, loss, rng)
 
 
-def pair_loss(hc1, hc2, x, gain1, gain2, s, s2, w, kernels=True, blocks=BLOCKS):
+def pair_loss(hc1, hc2, x, gain1, gain2, s, s2, w, kernels=True, blocks=BLOCKS, interpret=True):
     """sum(w ⊙ X'') of two connections in a row, each sublayer RMSNorm(u) ⊙ s normalised by its collapse, the
-    first's stream update made by the second's collapse (``update=``; kernels in the interpreter, or the XLA form)."""
+    first's stream update made by the second's collapse (``update=``; kernels in the interpreter, or the XLA form;
+    ``interpret=False``: the kernels lowered for a TPU)."""
     def collapse(hc, x, gain, update=None):
         return collapse_streams(hc._coefficient_function(), pre_weights(hc), x, hc._weighted_phi(),
                                 hc._coefficient_params(), norm_weight=gain, norm_eps=NORM_EPS, blocks=blocks,
-                                interpret=True, kernels=kernels, update=update)
+                                interpret=interpret, kernels=kernels, update=update)
     xs, y, h_post, h_res = collapse(hc1, x, gain1)
     xs, y2, h_post2, h_res2 = collapse(hc2, xs, gain2, update=(y * s.astype(y.dtype), h_res, h_post))
-    out = stream_mix(xs, y2 * s2.astype(y2.dtype), h_res2, h_post2, blocks=blocks, interpret=True, kernels=kernels,
-                     defer=True)
+    out = stream_mix(xs, y2 * s2.astype(y2.dtype), h_res2, h_post2, blocks=blocks, interpret=interpret,
+                     kernels=kernels, defer=True)
     return jnp.sum(w * out.astype(jnp.float32))
 
 
@@ -208,6 +216,42 @@ def test_the_update_inside_the_collapse_gives_the_bits_of_the_update_then_the_co
     got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(hc1, hc2, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow  # two TPU compiles of about 20 s: the tile tests below guard the choice in the quick loop
+@needs_libtpu
+@pytest.mark.parametrize("slice_name", ["v5e-1", "v4-8"])
+def test_the_pairs_kernels_fit_the_vmem_of_v5e_and_v4_at_1b_shapes(slice_name):
+    """The gradient of two connections in a row, the second's collapse making the first's update, with the kernels'
+    default tiles at one `1b` shard of the fit table's v5e-8 batch (8 x 2048 tokens, n = 4, D = 2048, bfloat16
+    streams), compiled by the TPU compiler under a one-chip mesh of a chip with 16 MiB of VMEM (v4) or a 16 MiB
+    scoped limit (v5e): the compile fails where a kernel's tiles need more (the dx kernel that runs the update's
+    backward needed 18.5 MiB at (256, 512) tiles, the collapse that makes the update 21 MiB on v4 at 64 rows, and
+    `1b` did not compile for v5e-8 or v4-32)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from nash_mhc.training.fit import topology_devices
+
+    mesh = make_mesh(1, 1, 1, devices=topology_devices(slice_name)[:1])
+    tokens, dim = 8 * 2048, 2048
+    params, static = [], []
+    for seed in (0, 1):
+        p, st = eqx.partition(HyperConnection("mhc", N, dim, key=jax.random.key(seed)), eqx.is_array)
+        params.append(p)
+        static.append(st)
+
+    def loss(p1, p2, x, gain, s, w):
+        hc1, hc2 = eqx.combine(p1, static[0]), eqx.combine(p2, static[1])
+        return pair_loss(hc1, hc2, x, gain, gain, s, s, w, blocks=None, interpret=False)
+
+    def abstract(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    arguments = (*(jax.tree.map(lambda a: abstract(a.shape, a.dtype), p) for p in params),
+                 abstract((N, tokens, dim), jnp.bfloat16), abstract((dim,), jnp.float32),
+                 abstract((dim,), jnp.float32), abstract((N, tokens, dim), jnp.float32))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*arguments).compile()
+    assert "tpu_custom_call" in compiled.as_text()
 
 
 def test_bfloat16_streams_follow_the_xla_path_within_bfloat16_rounding():
@@ -283,6 +327,30 @@ def test_the_forward_kernel_takes_the_largest_token_tile_of_whole_rows_that_fits
     assert _row_tile(None, N, tokens, dim) == want
     assert _row_tile(None, N, tokens, dim, ROW_TILE_BYTES // 2) == half
     assert _row_tile((32, 128), N, tokens, dim) == 32  # given tiles win
+
+
+def test_the_dx_kernel_that_runs_the_updates_backward_takes_token_tiles_within_its_budget():
+    """dx's tiles are stream_mix's (the largest token and column tiles that divide), except when it also runs the
+    update's backward: then n x tm x td float32 within UPDATE_DX_TILE_BYTES (1 MiB), the column tile kept."""
+    assert _dx_tiles(None, N, 16384, 2048, True, False) == (256, 512)
+    assert _dx_tiles(None, N, 16384, 2048, True, True) == (128, 512)
+    assert _dx_tiles(None, N, 16384, 768, True, True) == (256, 256)  # 1 MiB at 256 x 256
+    assert _dx_tiles(None, N, 48, 64, True, True) == (16, 64)
+    assert _dx_tiles((32, 128), N, 16384, 2048, True, True) == (32, 128)  # given tiles win
+    assert _dx_tiles(None, N, 16384, 2048, False, True) is None  # the XLA form
+    assert _dx_tiles(None, N, 40, 256, True, True) is None  # no token tile divides
+
+
+@needs_libtpu
+def test_chips_with_16_mib_of_vmem_take_a_quarter_of_each_tile_budget():
+    """Under a mesh of TPU v4 chips (16 MiB of VMEM) every budget is a quarter; under v5e's the full one."""
+    from nash_mhc.training.fit import topology_devices
+
+    for name, row, half, dx in (("v4-8", 32, 16, (32, 512)), ("v5e-1", 128, 64, (128, 512))):
+        with jax.set_mesh(make_mesh(1, 1, 1, devices=topology_devices(name)[:1])):
+            assert _row_tile(None, N, 16384, 2048) == row
+            assert _row_tile(None, N, 16384, 2048, ROW_TILE_BYTES // 2) == half
+            assert _dx_tiles(None, N, 16384, 2048, True, True) == dx
 
 
 def test_an_update_left_unmade_needs_mhc_connections():

@@ -44,6 +44,17 @@ def settled_platform() -> str | None:
     return _mesh_platform() or _LOWERING_PLATFORM.value
 
 
+def settled_device_kind() -> str | None:
+    """The device kind ("TPU v4", "TPU v6 lite", ...) of the ambient mesh's devices, else of JAX's default device
+    where its platform is :func:`settled_platform`'s; None where neither says (a kernel's tiles then assume the
+    larger chips)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None:
+        return device.device_kind
+    default = jax.devices()[0]
+    return default.device_kind if default.platform == settled_platform() else None
+
+
 def lowering_platform(platform: str | None) -> Any:
     """A context manager: within it, :func:`platform_dependent` takes ``platform``'s branch ("cpu", "tpu", "gpu")
     where no mesh names a platform (None: every branch, as outside). Part of the key of JAX's jit and trace caches,
@@ -113,4 +124,5 @@ def platform_vjp(tpu: Callable[..., jax.Array], default: Callable[..., jax.Array
     return f
 
 
-__all__ = ["lowering_platform", "platform_dependent", "platform_of", "platform_vjp"]
+__all__ = ["lowering_platform", "platform_dependent", "platform_of", "platform_vjp", "settled_device_kind",
+           "settled_platform"]

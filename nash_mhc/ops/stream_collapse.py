@@ -65,6 +65,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.dispatch import settled_device_kind
 from nash_mhc.ops.rms_norm import rms_inverse, rms_norm, rms_norm_backward, rms_norm_backward_rows
 from nash_mhc.ops.stream_mix import (
     TOKEN_BLOCKS,
@@ -83,6 +84,15 @@ _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 STREAMS, TOKENS = ("streams", "tokens", "features"), ("tokens", "features")  # logical names for per_shard
 ROW_TILE_BYTES = 4 << 20  # the collapse kernel's token tile: at most this many bytes of float32 [n, tokens, D]
+UPDATE_DX_TILE_BYTES = 1 << 20  # the dx kernel that runs the update's backward: float32 [n, tm, td] at most this
+SMALL_VMEM_KINDS = ("TPU v2", "TPU v3", "TPU v4")  # 16 MiB of VMEM per core: the budgets above quartered
+
+
+def _budget(nbytes: int) -> int:
+    """A tile budget for the chip the kernels are lowered for (:func:`settled_device_kind`): a quarter on a chip of
+    :data:`SMALL_VMEM_KINDS`, where at n = 4, D = 2048 the collapse needed 16.5 MiB at 64 rows and the one that
+    makes the update 21 MiB (9-11 MiB of it the register allocator's spills, which grow with the rows)."""
+    return nbytes // 4 if (settled_device_kind() or "").startswith(SMALL_VMEM_KINDS) else nbytes
 
 
 class PreWeights(NamedTuple):
@@ -284,13 +294,15 @@ def _tiles(blocks: tuple[int, int] | None, tokens: int, dim: int, kernels: bool)
 
 
 def _row_tile(blocks: tuple[int, int] | None, streams: int, tokens: int, dim: int,
-              budget: int = ROW_TILE_BYTES) -> int | None:
+              budget: int | None = None) -> int | None:
     """The collapse kernel's token tile: ``blocks``' when given, else the largest of ``TOKEN_BLOCKS`` that divides
-    this shard's tokens and keeps n x tile x D float32 within ``budget``; None (the XLA form) if none. The kernel
-    that also makes the previous update holds X and X' and takes half of ``ROW_TILE_BYTES`` (at 128 rows of
-    n = 4, D = 2048 it needed 17.4 MiB of VMEM, over v5e's 16 MiB scoped limit)."""
+    this shard's tokens and keeps n x tile x D float32 within ``budget`` (default ``ROW_TILE_BYTES``; each a quarter
+    on a chip with 16 MiB of VMEM, :func:`_budget`); None (the XLA form) if none. The kernel that also makes the
+    previous update holds X and X' and takes half of ``ROW_TILE_BYTES`` (at 128 rows of n = 4, D = 2048 it needed
+    17.4 MiB of VMEM, over v5e's 16 MiB scoped limit)."""
     if blocks is not None:
         return blocks[0]
+    budget = _budget(ROW_TILE_BYTES if budget is None else budget)
     return next((b for b in TOKEN_BLOCKS if tokens % b == 0 and streams * b * dim * 4 <= budget), None)
 
 
@@ -384,6 +396,21 @@ def _norm_dh_pre(x, u, dy, inv, gain, *, blocks, interpret, kernels=True):
     return du, dh, jnp.sum(dgain, axis=(0, 1))
 
 
+def _dx_tiles(blocks: tuple[int, int] | None, streams: int, tokens: int, dim: int, kernels: bool, update: bool
+              ) -> tuple[int, int] | None:
+    """The dx kernel's (token tile, column tile): :func:`_tiles`; when it also runs the update's backward (and no
+    ``blocks`` are given) the token tile shrinks to the largest of ``TOKEN_BLOCKS`` that keeps n x tm x td float32
+    within ``UPDATE_DX_TILE_BYTES``: with X_prev, y, dy and the mixing coefficients' tiles beside X's and dX's, (256,
+    512) tiles of n = 4 needed 18.5 MiB of VMEM, over the 16 MiB scoped limit of v5e and v4 (`1b` did not compile
+    there)."""
+    tiles = _tiles(blocks, tokens, dim, kernels)
+    if tiles is None or blocks is not None or not update:
+        return tiles
+    tm = next(b for b in TOKEN_BLOCKS if b <= tiles[0] and tokens % b == 0
+              and (streams * b * tiles[1] * 4 <= _budget(UPDATE_DX_TILE_BYTES) or b == TOKEN_BLOCKS[-1]))
+    return tm, tiles[1]
+
+
 def _dx(x, g, du, scalars, draw, w_t, *update, blocks, interpret, kernels=True):
     """(dX [n, T, D], dW [n, D, C] float32 = X_jᵀ d_raw) on grid (column tile, token tile): W's column tile and
     dW's stay put while the tokens walk, dW summing over them. The kernel writes dWᵀ [n, C, D] (d_rawᵀ X_j: the
@@ -397,7 +424,7 @@ def _dx(x, g, du, scalars, draw, w_t, *update, blocks, interpret, kernels=True):
     nor dX is read a second time; dH_res and dH_post come out per column tile and are summed here, in the column
     tiles' order. In XLA: the slab form on X, then stream_mix's deferred backward."""
     n, tokens, dim = x.shape
-    blocks = _tiles(blocks, tokens, dim, kernels)
+    blocks = _dx_tiles(blocks, n, tokens, dim, kernels, bool(update))
     coeffs = draw.shape[1]
     if blocks is None:
         du32, gs = du.astype(F32), [a.astype(F32) for a in g]
