@@ -32,9 +32,14 @@ _GPU_BRANCHES = ("cuda", "rocm")
 _LOWERING_PLATFORM = jax.make_user_context(None)
 
 
+def _mesh_device() -> Any:
+    """The ambient mesh's abstract device (its platform and device kind), or None without a mesh or device."""
+    return getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+
+
 def _mesh_platform() -> str | None:
     """The platform of the ambient mesh's devices ("cpu", "tpu", "gpu"), or None without a mesh or device."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    device = _mesh_device()
     return None if device is None else device.platform
 
 
@@ -48,7 +53,7 @@ def settled_device_kind() -> str | None:
     """The device kind ("TPU v4", "TPU v6 lite", ...) of the ambient mesh's devices, else of JAX's default device
     where its platform is :func:`settled_platform`'s; None where neither says (a kernel's tiles then assume the
     larger chips)."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    device = _mesh_device()
     if device is not None:
         return device.device_kind
     default = jax.devices()[0]

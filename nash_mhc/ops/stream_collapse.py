@@ -295,9 +295,10 @@ def _tiles(blocks: tuple[int, int] | None, tokens: int, dim: int, kernels: bool)
 
 def _row_tile(blocks: tuple[int, int] | None, streams: int, tokens: int, dim: int,
               budget: int | None = None) -> int | None:
-    """The collapse kernel's token tile: ``blocks``' when given, else the largest of ``TOKEN_BLOCKS`` that divides
-    this shard's tokens and keeps n x tile x D float32 within ``budget`` (default ``ROW_TILE_BYTES``; each a quarter
-    on a chip with 16 MiB of VMEM, :func:`_budget`); None (the XLA form) if none. The kernel that also makes the
+    """The collapse kernel's token tile (and the dx kernel's, on its column tile's ``dim``): ``blocks``' when given,
+    else the largest of ``TOKEN_BLOCKS`` that divides this shard's tokens and keeps n x tile x D float32 within
+    ``budget`` (default ``ROW_TILE_BYTES``; each a quarter on a chip with 16 MiB of VMEM, :func:`_budget`); None
+    (the XLA form) if none. The kernel that also makes the
     previous update holds X and X' and takes half of ``ROW_TILE_BYTES`` (at 128 rows of n = 4, D = 2048 it needed
     17.4 MiB of VMEM, over v5e's 16 MiB scoped limit)."""
     if blocks is not None:
@@ -406,9 +407,8 @@ def _dx_tiles(blocks: tuple[int, int] | None, streams: int, tokens: int, dim: in
     tiles = _tiles(blocks, tokens, dim, kernels)
     if tiles is None or blocks is not None or not update:
         return tiles
-    tm = next(b for b in TOKEN_BLOCKS if b <= tiles[0] and tokens % b == 0
-              and (streams * b * tiles[1] * 4 <= _budget(UPDATE_DX_TILE_BYTES) or b == TOKEN_BLOCKS[-1]))
-    return tm, tiles[1]
+    # tiles[0] divides tokens, so the smallest token tile does too: it stands in where even it is over the budget
+    return _row_tile(None, streams, tokens, tiles[1], UPDATE_DX_TILE_BYTES) or TOKEN_BLOCKS[-1], tiles[1]
 
 
 def _dx(x, g, du, scalars, draw, w_t, *update, blocks, interpret, kernels=True):
