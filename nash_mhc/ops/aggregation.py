@@ -40,9 +40,9 @@ step after its first iterate with max_l |w - BR(w)| <= the dtype's tolerance (at
 the whole loop is one Pallas kernel, :mod:`nash_mhc.ops.positions_kernel`, which runs all ``max_iters`` steps with
 done positions frozen). Differentiated implicitly (a custom JVP: dz* = (I - J)^-1 dT, so reverse mode transposes one
 linear solve), never through the iterations. lambda_max comes from :func:`largest_eigenvalue` (closed form for L <=
-3): finite (sub)gradients everywhere, including C = 0. Both the solves and lambda_max are elementwise over positions
-(see :func:`solve_small`). Computed in float32 (float64 for float64 inputs), per position: weights are never pooled
-over the sequence, which would leak the future.
+3, Jacobi sweeps above): finite (sub)gradients everywhere, including C = 0. Both the solves and lambda_max are
+elementwise over positions (see :func:`solve_small`). Computed in float32 (float64 for float64 inputs), per
+position: weights are never pooled over the sequence, which would leak the future.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
-from nash_mhc.ops import aggregation_kernels
+from nash_mhc.ops import aggregation_kernels, jacobi
 from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.ops.positions_kernel import position_rows, run_positions
 from nash_mhc.sharding import per_shard
@@ -132,12 +132,15 @@ def largest_eigenvalue(gram: jax.Array, available: jax.Array) -> jax.Array:
     root (no cancellation). Elementwise over positions, so on a TPU the positions stay in the vector lanes; a
     batched ``eigvalsh`` of 3 x 3 matrices costs the TPU about 1,300 times as much (the compiler's estimate,
     docs/tpu.md), on CPU a LAPACK call per matrix. Where the two eigenvalues are equal (C = 0 included) the
-    gradient is that of tr(C) / 2, a subgradient. L > 3: ``eigvalsh``.
+    gradient is that of tr(C) / 2, a subgradient. L > 3: cyclic Jacobi sweeps, also elementwise
+    (:func:`nash_mhc.ops.jacobi.largest_eigenvalue`), where at least three scales are available; the trace where
+    fewer are.
     """
     size = gram.shape[-1]
-    if size > 3:
-        return jnp.linalg.eigvalsh(gram)[..., -1]
     trace = jnp.trace(gram, axis1=-2, axis2=-1)
+    if size > 3:
+        count = jnp.sum(jnp.broadcast_to(available, gram.shape[:-1]), axis=-1)
+        return jnp.where(count > 2, jacobi.largest_eigenvalue(gram), trace)
     if size < 3:
         return trace
     c = [[gram[..., i, j] for j in range(3)] for i in range(3)]

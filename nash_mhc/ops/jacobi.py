@@ -1,0 +1,86 @@
+"""The largest eigenvalue of small symmetric matrices, elementwise over positions: cyclic Jacobi sweeps.
+
+For a symmetric M [..., L, L] (L small, one matrix per position), each Jacobi rotation in the plane (p, q) zeroes
+M_pq (Golub and Van Loan's symmetric Schur decomposition of the 2 x 2 block: tau = (M_qq - M_pp) / (2 M_pq),
+t = sign(tau) / (|tau| + sqrt(1 + tau^2)), the smaller of the two angles, c = 1 / sqrt(1 + t^2), s = t c), and a
+cyclic sweep rotates every plane once. The off-diagonal mass falls quadratically once it is small; the diagonal
+then holds the eigenvalues and the accumulated rotations V their eigenvectors. :data:`EXTRA_SWEEPS` beyond L:
+a float64 NumPy check of the same sweeps on 20,000 random centred Gram matrices (spreads over six decades) left an
+off-diagonal norm of 1.6e-16 of the trace after 5 sweeps at L = 4, 6 at L = 5, 7 at L = 6.
+
+Every operation is elementwise over the positions (the matrix is held as L x L arrays [...]): on a TPU the positions
+stay in the vector lanes. A batched ``jnp.linalg.eigvalsh`` of the 3b preset's 4 x 4 games cost 5.0 ms per layer
+and chip (forward and backward, v6e, the TPU compiler's estimate at 8 x 4096 positions, beside two custom calls it
+does not cost; this form's figures are in docs/tpu.md). Differentiated by a custom JVP, never through the sweeps:
+d lambda = v^T dM v for the eigenvector v of the largest diagonal entry (where the largest eigenvalue is repeated, v
+is one unit vector of its eigenspace, and v v^T a subgradient).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+EXTRA_SWEEPS = 2  # sweeps = L + EXTRA_SWEEPS (module docstring)
+
+
+def _rotations(matrix: jax.Array) -> tuple[list[list[jax.Array]], list[list[jax.Array]]]:
+    """(D, V) after the sweeps, as L x L nested lists of arrays [...]: D nearly diagonal, V orthogonal, V^T M V = D,
+    M = (matrix + matrix^T) / 2."""
+    size = matrix.shape[-1]
+    a = [[(matrix[..., i, j] + matrix[..., j, i]) / 2 for j in range(size)] for i in range(size)]
+    zero, one = jnp.zeros_like(a[0][0]), jnp.ones_like(a[0][0])
+    v = [[one if i == j else zero for j in range(size)] for i in range(size)]
+    for _ in range(size + EXTRA_SWEEPS):
+        for p in range(size):
+            for q in range(p + 1, size):
+                apq = a[p][q]
+                rotate = apq != 0
+                tau = (a[q][q] - a[p][p]) / (2 * jnp.where(rotate, apq, 1))
+                # |tau| overflowing tau^2 gives t = 0, the rotation M_pq that small needs
+                t = jnp.where(tau >= 0, 1.0, -1.0) / (jnp.abs(tau) + jnp.sqrt(1 + tau * tau))
+                t = jnp.where(rotate, t, 0)
+                c = jax.lax.rsqrt(1 + t * t)
+                s = t * c
+                app, aqq = a[p][p] - t * apq, a[q][q] + t * apq
+                for k in range(size):
+                    if k not in (p, q):
+                        akp, akq = a[k][p], a[k][q]
+                        a[k][p] = a[p][k] = c * akp - s * akq
+                        a[k][q] = a[q][k] = s * akp + c * akq
+                    vkp, vkq = v[k][p], v[k][q]
+                    v[k][p], v[k][q] = c * vkp - s * vkq, s * vkp + c * vkq
+                a[p][p], a[q][q] = app, aqq
+                a[p][q] = a[q][p] = zero
+    return a, v
+
+
+def _largest_pair(matrix: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    """(lambda_max [...], its eigenvector as L arrays [...]): the largest diagonal entry after the sweeps and its
+    column of V (the first of equal entries)."""
+    a, v = _rotations(matrix)
+    size = len(a)
+    value, vector = a[0][0], [v[k][0] for k in range(size)]
+    for j in range(1, size):
+        larger = a[j][j] > value
+        value = jnp.where(larger, a[j][j], value)
+        vector = [jnp.where(larger, v[k][j], x) for k, x in enumerate(vector)]
+    return value, vector
+
+
+@jax.custom_jvp
+def largest_eigenvalue(matrix: jax.Array) -> jax.Array:
+    """lambda_max [...] of the symmetric part of ``matrix`` [..., L, L], in its dtype (module docstring)."""
+    return _largest_pair(matrix)[0]
+
+
+@largest_eigenvalue.defjvp
+def _largest_eigenvalue_jvp(primals, tangents):
+    (matrix,), (d_matrix,) = primals, tangents
+    value, vector = _largest_pair(matrix)
+    size = matrix.shape[-1]
+    d_value = sum(vector[i] * vector[j] * d_matrix[..., i, j] for i in range(size) for j in range(size))
+    return value, d_value
+
+
+__all__ = ["EXTRA_SWEEPS", "largest_eigenvalue"]
