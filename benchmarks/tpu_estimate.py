@@ -4,7 +4,7 @@ compiler's cost model, never a measurement).
 
     python benchmarks/tpu_estimate.py [--presets base 1b 3b] [--slices v5e-8 v6e-8 v4-32] \\
         [--variants plain+full mhc+full mhc+multiscale+nash] [--results docs/results/tpu_estimate.jsonl] \\
-        [--doc docs/tpu.md] [--label before] [--hlo-dir DIR] [--table-only]
+        [--doc docs/tpu.md] [--label before] [--earlier-labels LABEL ...] [--hlo-dir DIR] [--table-only]
 
 Each (preset, slice) runs at the fit table's batch (the largest per-chip batch that fits, from
 docs/results/tpu_fit.jsonl: remat full in groups of 4 layers, 8 loss chunks, fsdp over every chip, data 1, tp
@@ -13,7 +13,8 @@ docs/results/tpu_fit.jsonl: remat full in groups of 4 layers, 8 loss chunks, fsd
 of the compiled step by their trip counts, so no variant compiles are needed. Every compile is appended to the
 results file (JSON lines) as soon as it ends and the table between the ``tpu-estimate`` markers of the doc is
 rewritten from all results with the run's ``--label``, so an interrupted run keeps its rows and a rerun skips
-what it has. ``--hlo-dir`` keeps each optimised HLO module (gzip) to recompute the figures without compiling.
+what it has; ``--earlier-labels`` fills the rows this run has not compiled from earlier runs (a change that leaves
+those programs as they were need not recompile them), each row naming its run. ``--hlo-dir`` keeps each optimised HLO module (gzip) to recompute the figures without compiling.
 """
 
 from __future__ import annotations
@@ -134,11 +135,16 @@ def compile_once(preset: str, slice_name: str, variant: str, per_chip: int, labe
 
 
 def table(results: dict[str, dict], presets: list[str], slices: list[str], variants: list[str],
-          batches: dict[tuple[str, str], int], label: str) -> tuple[list[str], list[str]]:
-    """(markdown rows, the entries with no result yet)."""
+          batches: dict[tuple[str, str], int], labels: list[str]) -> tuple[list[str], list[str]]:
+    """(markdown rows, the entries with no result yet). Each entry comes from the first of ``labels`` that has it
+    (the run's label first, then the ``--earlier-labels``); the "run" column names it."""
     rows = ["| preset | slice | tokens per chip | variant | est. step time | est. tokens/s per chip | est. MFU | "
-            "HBM per chip per step | step time ÷ plain+full | Pallas kernels (roofline) | compile |",
-            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "HBM per chip per step | step time ÷ plain+full | Pallas kernels (roofline) | compile | run |",
+            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+
+    def first(preset: str, slice_name: str, variant: str, per_chip: int) -> dict | None:
+        return next((results[k] for k in (key(preset, slice_name, variant, per_chip, label) for label in labels)
+                     if k in results), None)
     missing = []
     for preset in presets:
         for slice_name in slices:
@@ -146,7 +152,7 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
             if per_chip is None:
                 missing.append(f"{preset} on {slice_name} (no fit-table batch)")
                 continue
-            found = {v: results.get(key(preset, slice_name, v, per_chip, label)) for v in variants}
+            found = {v: first(preset, slice_name, v, per_chip) for v in variants}
             base = found.get("plain+full")
             for variant, r in found.items():
                 if r is None:
@@ -154,7 +160,8 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
                     continue
                 if r["seconds"] is None:
                     rows.append(f"| {preset} | {slice_name} | {per_chip} x {r['seq_len']} | {variant} | "
-                                f"{'does not fit' if r['fits'] is False else r['estimate_error']} | | | | | | |")
+                                f"{'does not fit' if r['fits'] is False else r['estimate_error']} | | | | | | | "
+                                f"`{r['label']}` |")
                     continue
                 ratio = (f"{r['seconds'] / base['seconds']:.2f}" if base and base.get("seconds") else "")
                 kernels = (f"{100 * r['kernel_cycles'] / r['cycles']:.1f} %" if r.get("kernel_cycles") is not None
@@ -162,16 +169,18 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
                 rows.append(f"| {preset} | {slice_name} | {per_chip} x {r['seq_len']} | {variant} | "
                             f"{1e3 * r['seconds']:,.0f} ms | {r['tokens_per_second_per_chip']:,.0f} | "
                             f"{100 * r['mfu']:.1f} % | {r['hbm_bytes'] / GIB:,.0f} GiB | {ratio} | {kernels} | "
-                            f"{r['compile_seconds'] / 60:.0f} min |")
+                            f"{r['compile_seconds'] / 60:.0f} min | `{r['label']}` |")
     return rows, missing
 
 
-def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str, label: str,
+def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str, labels: list[str],
               remat_group: int) -> None:
     text = doc.read_text()
     if START not in text:
         raise SystemExit(f"{doc} has no {START} ... {END} markers")
-    body = [START, "", f"Produced by (run label `{label}`)", "", "```bash", command, "```", "",
+    earlier = (f"; the rows it did not compile come from the earlier runs {', '.join(f'`{x}`' for x in labels[1:])}"
+               ", first found (the \"run\" column)" if len(labels) > 1 else "")
+    body = [START, "", f"Produced by (run label `{labels[0]}`{earlier})", "", "```bash", command, "```", "",
             f"on {machine} (no TPU: libtpu's compiler and its cost model; every figure is the compiler's estimate, "
             "not a measurement). Each row is one `--compile-only` of the preset with the variant's `--residual` / "
             "`--attention` flags and `" + " ".join(memory_flags(remat_group)) + "`, fsdp over every chip, at the fit "
@@ -199,6 +208,9 @@ def main() -> None:
     parser.add_argument("--doc", default=str(ROOT / "docs" / "tpu.md"))
     parser.add_argument("--label", default="before", help="names this run's rows (a rerun after a model change "
                         "takes another label)")
+    parser.add_argument("--earlier-labels", nargs="*", default=[], help="the table takes the rows this run has "
+                        "not compiled from these labels' results, first found (after a change that leaves those "
+                        "programs as they were)")
     parser.add_argument("--hlo-dir", default=None, help="keep each compiled step's optimised HLO here (gzip)")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results only")
     parser.add_argument("--remat-group", type=int, default=FIT_REMAT_GROUP, help="layers per rematerialised group "
@@ -217,12 +229,14 @@ def main() -> None:
                                                                              list(VARIANTS))) if value != default]
     if args.remat_group != FIT_REMAT_GROUP:
         chosen.append(f"--remat-group {args.remat_group}")
+    chosen += [f"--earlier-labels {' '.join(args.earlier_labels)}"] if args.earlier_labels else []
     command = " ".join(["python benchmarks/tpu_estimate.py", *chosen, f"--label {args.label}"])
+    labels = [args.label, *args.earlier_labels]
     machine = f"a shared {os.cpu_count()}-core VM ({cpu_model()}), CPU only"
 
     def refresh() -> None:
-        rows, missing = table(results, PRESETS, SLICES, list(VARIANTS), batches, args.label)
-        write_doc(doc, rows, missing, command, machine, args.label, args.remat_group)
+        rows, missing = table(results, PRESETS, SLICES, list(VARIANTS), batches, labels)
+        write_doc(doc, rows, missing, command, machine, labels, args.remat_group)
 
     refresh()
     if args.table_only:

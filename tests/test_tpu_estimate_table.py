@@ -1,0 +1,34 @@
+"""benchmarks/tpu_estimate.py's table: each row from the run's own label, or else the first earlier label that
+has it, named in the "run" column; the ratio to plain + full whichever run each came from."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from tpu_estimate import key, table  # noqa: E402
+
+
+def result(variant: str, label: str, seconds: float) -> dict:
+    return {"preset": "3b", "slice": "v6e-8", "variant": variant, "per_chip": 8, "label": label, "seq_len": 4096,
+            "seconds": seconds, "fits": True, "tokens_per_second_per_chip": 8 * 4096 / seconds, "mfu": 0.2,
+            "hbm_bytes": 2**40, "kernel_cycles": 1, "cycles": 4, "compile_seconds": 120.0}
+
+
+def test_rows_come_from_the_runs_label_first_then_the_earlier_ones_in_order():
+    rows = [result("plain+full", "old", 1.0), result("mhc+full", "older", 1.25), result("mhc+full", "old", 1.2),
+            result("mhc+multiscale+nash", "old", 2.0), result("mhc+multiscale+nash", "new", 1.8)]
+    results = {key(r["preset"], r["slice"], r["variant"], r["per_chip"], r["label"]): r for r in rows}
+    lines, missing = table(results, ["3b"], ["v6e-8"], ["plain+full", "mhc+full", "mhc+multiscale+nash"],
+                           {("3b", "v6e-8"): 8}, ["new", "old", "older"])
+    body = {line.split(" | ")[3]: line for line in lines[2:]}
+    assert body["plain+full"].endswith("| `old` |") and "| 1,000 ms |" in body["plain+full"]
+    assert body["mhc+full"].endswith("| `old` |") and "| 1.20 |" in body["mhc+full"]
+    assert body["mhc+multiscale+nash"].endswith("| `new` |") and "| 1.80 |" in body["mhc+multiscale+nash"]
+    assert missing == []
+    only_new, missing = table(results, ["3b"], ["v6e-8"], ["plain+full", "mhc+multiscale+nash"],
+                              {("3b", "v6e-8"): 8}, ["new"])
+    assert len(only_new) == 3 and missing == ["3b plain+full on v6e-8"]
+    assert only_new[2].endswith("| `new` |") and "| 1,800 ms |" in only_new[2]
