@@ -164,7 +164,7 @@ MUTATIONS = {
                                           "2.0 * jnp.sqrt(jnp.sum(gram**2, axis=(-2, -1)) + 1e-12)")],
                                         [REFERENCE, "tests/test_nash.py"]),
     "Jacobi eigenvalue after one sweep": ("nash_mhc/ops/jacobi.py",
-                                          [("for _ in range(size + EXTRA_SWEEPS):", "for _ in range(1):")],
+                                          [("fori_loop(0, size + EXTRA_SWEEPS, body", "fori_loop(0, 1, body")],
                                           ["tests/test_nash.py"]),
     "Jacobi gradient from a row of V": ("nash_mhc/ops/jacobi.py",
                                         [("[v[k][0] for k in range(size)]", "[v[0][k] for k in range(size)]"),

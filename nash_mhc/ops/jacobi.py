@@ -9,9 +9,9 @@ a float64 NumPy check of the same sweeps on 20,000 random centred Gram matrices 
 off-diagonal norm of 1.6e-16 of the trace after 5 sweeps at L = 4, 6 at L = 5, 7 at L = 6.
 
 Every operation is elementwise over the positions (the matrix is held as L x L arrays [...]): on a TPU the positions
-stay in the vector lanes. A batched ``jnp.linalg.eigvalsh`` of the 3b preset's 4 x 4 games cost 5.0 ms per layer
-and chip (forward and backward, v6e, the TPU compiler's estimate at 8 x 4096 positions, beside two custom calls it
-does not cost; this form's figures are in docs/tpu.md). Differentiated by a custom JVP, never through the sweeps:
+stay in the vector lanes. For the `3b` preset's 4 x 4 games at 8 x 4096 positions per chip, forward and backward,
+the TPU compiler estimates 0.10 ms per layer on a v6e chip, against 5.0 ms for a batched ``jnp.linalg.eigvalsh``
+(beside two custom calls it does not cost). Differentiated by a custom JVP, never through the sweeps:
 d lambda = v^T dM v for the eigenvector v of the largest diagonal entry (where the largest eigenvalue is repeated, v
 is one unit vector of its eigenspace, and v v^T a subgradient).
 """
@@ -24,34 +24,55 @@ import jax.numpy as jnp
 EXTRA_SWEEPS = 2  # sweeps = L + EXTRA_SWEEPS (module docstring)
 
 
+def _sweep(a: list[list[jax.Array]], v: list[list[jax.Array]]) -> None:
+    """One cyclic sweep, in place on the L x L nested lists ``a`` (symmetric: a[i][j] is a[j][i]) and ``v``."""
+    size = len(a)
+    zero = jnp.zeros_like(a[0][0])
+    for p in range(size):
+        for q in range(p + 1, size):
+            apq = a[p][q]
+            rotate = apq != 0
+            tau = (a[q][q] - a[p][p]) / (2 * jnp.where(rotate, apq, 1))
+            # |tau| overflowing tau^2 gives t = 0, the rotation M_pq that small needs
+            t = jnp.where(tau >= 0, 1.0, -1.0) / (jnp.abs(tau) + jnp.sqrt(1 + tau * tau))
+            t = jnp.where(rotate, t, 0)
+            c = jax.lax.rsqrt(1 + t * t)
+            s = t * c
+            app, aqq = a[p][p] - t * apq, a[q][q] + t * apq
+            for k in range(size):
+                if k not in (p, q):
+                    akp, akq = a[k][p], a[k][q]
+                    a[k][p] = a[p][k] = c * akp - s * akq
+                    a[k][q] = a[q][k] = s * akp + c * akq
+                vkp, vkq = v[k][p], v[k][q]
+                v[k][p], v[k][q] = c * vkp - s * vkq, s * vkp + c * vkq
+            a[p][p], a[q][q] = app, aqq
+            a[p][q] = a[q][p] = zero
+
+
 def _rotations(matrix: jax.Array) -> tuple[list[list[jax.Array]], list[list[jax.Array]]]:
     """(D, V) after the sweeps, as L x L nested lists of arrays [...]: D nearly diagonal, V orthogonal, V^T M V = D,
-    M = (matrix + matrix^T) / 2."""
+    M = (matrix + matrix^T) / 2. The sweeps are a loop (one sweep unrolled in its body): unrolled, the `3b` step's
+    28 layers of them took the TPU compile past 23 GB of host memory."""
     size = matrix.shape[-1]
-    a = [[(matrix[..., i, j] + matrix[..., j, i]) / 2 for j in range(size)] for i in range(size)]
-    zero, one = jnp.zeros_like(a[0][0]), jnp.ones_like(a[0][0])
-    v = [[one if i == j else zero for j in range(size)] for i in range(size)]
-    for _ in range(size + EXTRA_SWEEPS):
-        for p in range(size):
-            for q in range(p + 1, size):
-                apq = a[p][q]
-                rotate = apq != 0
-                tau = (a[q][q] - a[p][p]) / (2 * jnp.where(rotate, apq, 1))
-                # |tau| overflowing tau^2 gives t = 0, the rotation M_pq that small needs
-                t = jnp.where(tau >= 0, 1.0, -1.0) / (jnp.abs(tau) + jnp.sqrt(1 + tau * tau))
-                t = jnp.where(rotate, t, 0)
-                c = jax.lax.rsqrt(1 + t * t)
-                s = t * c
-                app, aqq = a[p][p] - t * apq, a[q][q] + t * apq
-                for k in range(size):
-                    if k not in (p, q):
-                        akp, akq = a[k][p], a[k][q]
-                        a[k][p] = a[p][k] = c * akp - s * akq
-                        a[k][q] = a[q][k] = s * akp + c * akq
-                    vkp, vkq = v[k][p], v[k][q]
-                    v[k][p], v[k][q] = c * vkp - s * vkq, s * vkp + c * vkq
-                a[p][p], a[q][q] = app, aqq
-                a[p][q] = a[q][p] = zero
+    upper = [(i, j) for i in range(size) for j in range(i, size)]
+
+    def body(_, carry):
+        entries, v = carry
+        a = [[jnp.zeros(())] * size for _ in range(size)]
+        for (i, j), x in zip(upper, entries, strict=True):
+            a[i][j] = a[j][i] = x
+        v = [list(row) for row in v]
+        _sweep(a, v)
+        return [a[i][j] for i, j in upper], v
+
+    entries = [(matrix[..., i, j] + matrix[..., j, i]) / 2 for i, j in upper]
+    zero, one = jnp.zeros_like(entries[0]), jnp.ones_like(entries[0])
+    identity = [[one if i == j else zero for j in range(size)] for i in range(size)]
+    entries, v = jax.lax.fori_loop(0, size + EXTRA_SWEEPS, body, (entries, identity))
+    a = [[None] * size for _ in range(size)]
+    for (i, j), x in zip(upper, entries, strict=True):
+        a[i][j] = a[j][i] = x
     return a, v
 
 
