@@ -337,7 +337,7 @@ def test_the_largest_eigenvalue_matches_eigvalsh_in_float64(scales):
     """Random outputs (spreads over 4 decades), every availability pattern with scale 0 available, two scales
     with equal eigenvalues (equilateral outputs) and all-equal outputs (C = 0): lambda_max within 1e-5 of
     NumPy's float64 eigvalsh, relative to the trace; gradients finite where eigenvalues coincide, and v v^T (v the
-    float64 eigenvector) where lambda_max is simple with three or more scales available."""
+    float64 eigenvector) where lambda_max is simple with three or more scales available; in float64, within 1e-12."""
     rng = np.random.default_rng(scales)
     outputs = rng.normal(size=(512, scales, 16)) * 10.0 ** rng.uniform(-2, 2, size=(512, scales, 1))
     outputs[0] = 1.0  # C = 0
@@ -361,6 +361,11 @@ def test_the_largest_eigenvalue_matches_eigvalsh_in_float64(scales):
         v = vectors[simple, :, -1]
         symmetric = (np.asarray(grads) + np.swapaxes(np.asarray(grads), -1, -2)) / 2
         np.testing.assert_allclose(symmetric[64:][simple], v[:, :, None] * v[:, None, :], atol=2e-4)
+    with jax.enable_x64(True):  # the float64 path (the float64 gradient checks' dtype) to float64's precision
+        gram64 = centred_gram64(outputs, available)
+        exact = largest_eigenvalue(jnp.asarray(gram64), jnp.asarray(available))
+        assert exact.dtype == jnp.float64
+        np.testing.assert_array_less(np.abs(np.asarray(exact) - expected), 1e-12 * np.maximum(trace, 1e-6))
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 6])
