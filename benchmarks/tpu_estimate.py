@@ -14,7 +14,8 @@ of the compiled step by their trip counts, so no variant compiles are needed. Ev
 results file (JSON lines) as soon as it ends and the table between the ``tpu-estimate`` markers of the doc is
 rewritten from all results with the run's ``--label``, so an interrupted run keeps its rows and a rerun skips
 what it has; ``--earlier-labels`` fills the rows this run has not compiled from earlier runs (a change that leaves
-those programs as they were need not recompile them), each row naming its run. ``--hlo-dir`` keeps each optimised HLO module (gzip) to recompute the figures without compiling.
+those programs as they were need not recompile them), each row naming its run. ``--hlo-dir`` keeps each optimised
+HLO module (gzip) to recompute the figures without compiling.
 """
 
 from __future__ import annotations
