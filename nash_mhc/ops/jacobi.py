@@ -57,12 +57,16 @@ def _rotations(matrix: jax.Array) -> tuple[list[list[jax.Array]], list[list[jax.
     size = matrix.shape[-1]
     upper = [(i, j) for i in range(size) for j in range(i, size)]
 
-    def body(_, carry):
-        entries, v = carry
-        a = [[jnp.zeros(())] * size for _ in range(size)]
+    def symmetric(entries: list[jax.Array]) -> list[list[jax.Array]]:
+        """The L x L nested list whose upper triangle (row-major) is ``entries``, mirrored below."""
+        a = [[None] * size for _ in range(size)]
         for (i, j), x in zip(upper, entries, strict=True):
             a[i][j] = a[j][i] = x
-        v = [list(row) for row in v]
+        return a
+
+    def body(_, carry):
+        entries, v = carry
+        a, v = symmetric(entries), [list(row) for row in v]
         _sweep(a, v)
         return [a[i][j] for i, j in upper], v
 
@@ -70,10 +74,7 @@ def _rotations(matrix: jax.Array) -> tuple[list[list[jax.Array]], list[list[jax.
     zero, one = jnp.zeros_like(entries[0]), jnp.ones_like(entries[0])
     identity = [[one if i == j else zero for j in range(size)] for i in range(size)]
     entries, v = jax.lax.fori_loop(0, size + EXTRA_SWEEPS, body, (entries, identity))
-    a = [[None] * size for _ in range(size)]
-    for (i, j), x in zip(upper, entries, strict=True):
-        a[i][j] = a[j][i] = x
-    return a, v
+    return symmetric(entries), v
 
 
 def _largest_pair(matrix: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
