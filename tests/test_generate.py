@@ -25,7 +25,7 @@ from nash_mhc.sharding import make_mesh
 from nash_mhc.training import init_train_state
 
 MODES = list(itertools.product(("mhc", "hc", "plain"), ("multiscale", "full"), ("nash", "convex")))
-MODES += [("mhc-lite", "multiscale", "nash"), ("mhc", "multiscale", "gate")]
+MODES += [("mhc-lite", "multiscale", "nash"), ("mhc", "multiscale", "gate"), ("mhc-lite", "full", "nash")]
 # (compression ratio, seq_len, tokens fed): r=2 → blocks 1,2,4 (22 = 5·4 + 2: a trailing partial block);
 # r=3 → blocks 1,3,9 (16 = 5·3 + 1 = 9 + 7) checks the input ring with a block size that is not a power of 2.
 # Modes outside the quick loop's covering set (tests/helpers.py) run with the slow tests, a compilation each; the

@@ -192,6 +192,7 @@ def test_a_collapse_that_makes_the_previous_update_matches_the_float64_reference
     assert_central_differences(values, got, loss, rng)
 
 
+@pytest.mark.slow  # multi-second: the float64 reference and mesh tests of the same kernels are in the quick loop
 def test_the_update_inside_the_collapse_gives_the_bits_of_the_update_then_the_collapse():
     """bfloat16 streams: the second collapse taking the first's update (kernels, interpreter) gives the loss and
     gradients, bit for bit, of stream_mix's update followed by a plain collapse (the CPU's path in the model)."""
@@ -266,6 +267,7 @@ def test_bfloat16_streams_follow_the_xla_path_within_bfloat16_rounding():
         np.testing.assert_allclose(a, b, atol=2e-2 * np.abs(b).max(), rtol=0)
 
 
+@pytest.mark.slow  # multi-second: the pair under a mesh below runs the normalising collapse in the quick loop
 @pytest.mark.parametrize("normalised", [False, True], ids=["u", "norm"])
 def test_under_a_mesh_each_shard_runs_the_kernels_on_its_tokens(normalised):
     """(data 2, fsdp 2, tp 2): 128 tokens split four ways, 2 x 2 tiles of (16, 128) per shard, so every collapse
