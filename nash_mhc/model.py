@@ -32,7 +32,7 @@ from nash_mhc.ops.matmul import f32_einsum
 from nash_mhc.ops.multiscale import choice_mask
 from nash_mhc.ops.stream_copies import slab_sum, stream_copies, stream_sum
 from nash_mhc.params import ROLES, declared_parameters, map_declared, param, stacked
-from nash_mhc.sharding import constrain_batch, gather_fsdp
+from nash_mhc.sharding import constrain_batch, gather_fsdp, without_fsdp
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -267,8 +267,15 @@ class LanguageModel(eqx.Module):
         return jnp.broadcast_to(h[..., None, :], (*tokens.shape, self.config.num_streams, self.config.d_model))
 
     def embed_tokens(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq dim"]:
-        """The tokens' embedding rows [..., T, D] in the compute dtype (one stream's worth of :meth:`embed`)."""
-        return self.embedding[tokens].astype(self.config.dtype)
+        """The tokens' embedding rows [..., T, D] in the compute dtype (one stream's worth of :meth:`embed`).
+
+        Under a mesh the table (cast first: the same values) is gathered over fsdp and the rows come out with the
+        batch over data x fsdp. Left to the compiler, the rows kept the table's d_model split over fsdp, and on a
+        mesh with data > 1 and fsdp > 1 the partitioner moved them (and their gradient) to the batch split by
+        replicating the whole [B, T, D] activation on every device ("Involuntary full rematerialization")."""
+        table = without_fsdp(self.embedding.astype(self.config.dtype), ("vocab", "embed"))
+        rows = table[tokens]
+        return constrain_batch(rows) if tokens.ndim > 1 else rows
 
     def unembed(self, x: Float[Array, "*batch seq n dim"]) -> Float[Array, "*batch seq vocab"]:
         """Collapse the streams (sum), final norm and LM head: logits [..., T, V], padded columns -1e30."""

@@ -305,6 +305,17 @@ def gather_fsdp(params: PyTree) -> PyTree:
     return map_declared(apply, params)
 
 
+def without_fsdp(x: jax.Array, logical: Sequence[str]) -> jax.Array:
+    """``x`` (an array whose dimensions have the logical names ``logical``) constrained to its spec without the
+    fsdp axis under the ambient mesh: :func:`gather_fsdp` for one array outside the layer scan (the token
+    embedding's table before its rows are looked up). The identity without an ambient mesh or with fsdp = 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or FSDP not in mesh.axis_names or mesh.shape[FSDP] == 1:
+        return x
+    gathered, _ = logical_spec(logical, x.shape, mesh, without=(FSDP,))
+    return jax.lax.with_sharding_constraint(x, gathered)
+
+
 def sharding_fallbacks(model: PyTree, mesh: Mesh) -> list[ShardingFallback]:
     """Every dimension of ``model`` that is replicated on its mesh axes because it does not divide."""
     entries = jax.tree.leaves(_leaf_specs(model, mesh, False), is_leaf=_is_entry)
@@ -442,6 +453,6 @@ __all__ = [
     "batch_shards", "batch_spec", "constrain", "constrain_batch", "describe_mesh", "gather_fsdp", "logical_spec",
     "make_mesh", "mesh_axes", "named_shardings", "per_shard", "per_shard_attention",
     "partition_specs", "path_str", "resolve_mesh_shape", "shard_batch", "sharding_fallbacks",
-    "sharding_summary", "valid_mesh_shapes",
+    "sharding_summary", "valid_mesh_shapes", "without_fsdp",
 ]
 

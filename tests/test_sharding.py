@@ -330,7 +330,9 @@ def test_each_layer_gathers_its_weights_over_fsdp_and_keeps_tp():
     tokens = jnp.zeros((8, c.seq_len), jnp.int32)
     with jax.sharding.use_abstract_mesh(make_mesh(1, 4, 2).abstract_mesh):
         found = sharding_constraints(jax.make_jaxpr(model)(tokens))
-    weights = [(shape, spec) for shape, spec in found if ("data", "fsdp") not in tuple(spec)]
+    table = (c.padded_vocab_size, c.d_model)  # the embedding's, gathered before its lookup (outside the scan)
+    assert (table, P("tp")) in found
+    weights = [(shape, spec) for shape, spec in found if ("data", "fsdp") not in tuple(spec) and shape != table]
     block_params = declared_parameters(Block(c, key=jax.random.key(0)))  # one layer's parameters
     matmul = [tuple(leaf.shape) for _, leaf, decl in block_params if decl.role.name == "matmul"]
     assert len(matmul) == 7 and sorted(shape for shape, _ in weights) == sorted(matmul)  # q k v o gate up down
@@ -357,3 +359,26 @@ def test_train_step_traces_the_model_under_its_mesh():
     pins = [line for line in text.splitlines() if "sharding_constraint" in line and line.endswith(hidden)]
     assert len(pins) >= 4, pins  # gate and up, forward and backward (each pin constrains the cotangent too)
     assert all('[{"data", "fsdp"}, {?}]' in line for line in pins), pins
+
+
+def test_the_embedding_rows_come_out_split_by_batch_without_replicating_the_activation(capfd):
+    """(data 2, fsdp 2, tp 2): the lookup gathers the table over fsdp and pins the rows' batch, and the compiled
+    forward and backward of a plain + full model replicate nothing. With the rows left to keep the table's d_model
+    split over fsdp, the partitioner logged "Involuntary full rematerialization" twice here (the rows and their
+    gradient: the whole [B, T, D] activation replicated on every device), and in every train step on a mesh with
+    data > 1 and fsdp > 1."""
+    needs_8_devices()
+    config = ModelConfig.preset("tiny", **SHARDABLE, residual="plain", attention="full")
+    mesh = make_mesh(2, 2, 2)
+    model = LanguageModel(config, key=jax.random.key(0))
+    model = eqx.filter_shard(model, named_shardings(model, mesh))
+    tokens = jax.device_put(jnp.zeros((8, config.seq_len), jnp.int32), NamedSharding(mesh, P(("data", "fsdp"))))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        found = sharding_constraints(jax.make_jaxpr(model.embed_tokens)(tokens))
+    assert ((config.padded_vocab_size, config.d_model), P("tp")) in found
+    assert ((8, config.seq_len, config.d_model), P(("data", "fsdp"), P.UNCONSTRAINED, P.UNCONSTRAINED)) in found
+    capfd.readouterr()
+    with jax.set_mesh(mesh):
+        grad = eqx.filter_jit(eqx.filter_grad(lambda m, t: jnp.sum(m(t).logits[..., :8])))
+        grad.lower(model, tokens).compile()
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
