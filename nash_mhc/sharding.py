@@ -305,15 +305,16 @@ def gather_fsdp(params: PyTree) -> PyTree:
     return map_declared(apply, params)
 
 
-def without_fsdp(x: jax.Array, logical: Sequence[str]) -> jax.Array:
-    """``x`` (an array whose dimensions have the logical names ``logical``) constrained to its spec without the
-    fsdp axis under the ambient mesh: :func:`gather_fsdp` for one array outside the layer scan (the token
-    embedding's table before its rows are looked up). The identity without an ambient mesh or with fsdp = 1."""
+def rows_to_batch(rows: jax.Array) -> jax.Array:
+    """Embedding rows [B, T, D] looked up from a table split (vocab over tp, d_model over fsdp), moved to the
+    batch split over data x fsdp under the ambient mesh in two steps: batch over data with d_model still over fsdp
+    (the lookup's own split), then fsdp moved from d_model to the batch (an all-to-all over fsdp)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or FSDP not in mesh.axis_names or mesh.shape[FSDP] == 1:
-        return x
-    gathered, _ = logical_spec(logical, x.shape, mesh, without=(FSDP,))
-    return jax.lax.with_sharding_constraint(x, gathered)
+    if mesh.empty or not all(axis in mesh.axis_names for axis in BATCH_AXES):
+        return rows
+    if mesh.shape[FSDP] > 1 and rows.shape[0] % mesh.shape["data"] == 0 and rows.shape[-1] % mesh.shape[FSDP] == 0:
+        rows = jax.lax.with_sharding_constraint(rows, P("data", *[P.UNCONSTRAINED] * (rows.ndim - 2), FSDP))
+    return constrain_batch(rows)
 
 
 def sharding_fallbacks(model: PyTree, mesh: Mesh) -> list[ShardingFallback]:
@@ -453,6 +454,6 @@ __all__ = [
     "batch_shards", "batch_spec", "constrain", "constrain_batch", "describe_mesh", "gather_fsdp", "logical_spec",
     "make_mesh", "mesh_axes", "named_shardings", "per_shard", "per_shard_attention",
     "partition_specs", "path_str", "resolve_mesh_shape", "shard_batch", "sharding_fallbacks",
-    "sharding_summary", "valid_mesh_shapes", "without_fsdp",
+    "sharding_summary", "valid_mesh_shapes", "rows_to_batch",
 ]
 
