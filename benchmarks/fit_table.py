@@ -215,6 +215,8 @@ def main() -> None:
     parser.add_argument("--results", default=str(ROOT / "docs" / "results" / "tpu_fit.jsonl"))
     parser.add_argument("--doc", default=str(ROOT / "docs" / "tpu.md"))
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results only")
+    parser.add_argument("--recompile", action="store_true", help="compile the --presets x --slices searches again "
+                        "at this commit instead of recalling recorded batches (the newest record of a batch wins)")
     args = parser.parse_args()
     max_exp = args.max_batch.bit_length() - 1
     results_path, doc = Path(args.results), Path(args.doc)
@@ -229,9 +231,12 @@ def main() -> None:
         rows, missing = table(results, presets, slices, args.loss_chunks, args.remat_group, args.max_batch)
         write_doc(doc, rows, missing, full_command, machine)
 
+    compiled_now: set[str] = set()
+
     def record(preset: str, slice_name: str, per_chip: int, loss_chunks: int, remat_group: int) -> dict:
         name = key(preset, slice_name, per_chip, loss_chunks, remat_group)
-        if name not in results:
+        if name not in results or (args.recompile and name not in compiled_now):
+            compiled_now.add(name)
             results[name] = compile_once(preset, slice_name, per_chip, loss_chunks, remat_group)
             results_path.parent.mkdir(parents=True, exist_ok=True)
             with results_path.open("a") as f:
