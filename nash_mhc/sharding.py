@@ -309,11 +309,12 @@ def rows_to_batch(rows: jax.Array) -> jax.Array:
     """Embedding rows [B, T, D] looked up from a table split (vocab over tp, d_model over fsdp), moved to the
     batch split over data x fsdp under the ambient mesh in two steps: batch over data with d_model still over fsdp
     (the lookup's own split), then fsdp moved from d_model to the batch (an all-to-all over fsdp)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not all(axis in mesh.axis_names for axis in BATCH_AXES):
+    mesh = _batch_pin_mesh(rows, 0)
+    if mesh is None:
         return rows
-    if mesh.shape[FSDP] > 1 and rows.shape[0] % mesh.shape["data"] == 0 and rows.shape[-1] % mesh.shape[FSDP] == 0:
-        rows = jax.lax.with_sharding_constraint(rows, P("data", *[P.UNCONSTRAINED] * (rows.ndim - 2), FSDP))
+    if mesh.shape[FSDP] > 1 and rows.shape[-1] % mesh.shape[FSDP] == 0:
+        data = BATCH_AXES[0]
+        rows = jax.lax.with_sharding_constraint(rows, P(data, *[P.UNCONSTRAINED] * (rows.ndim - 2), FSDP))
     return constrain_batch(rows)
 
 
@@ -362,14 +363,22 @@ def constrain_batch(x: jax.Array, dim: int = 0) -> jax.Array:
     one lacking the batch axes) and for a dimension ``dim`` that does not divide by data x fsdp; a constraint
     never changes values.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not all(axis in mesh.axis_names for axis in BATCH_AXES):
-        return x
-    if x.ndim <= dim or x.shape[dim] % math.prod(mesh.shape[axis] for axis in BATCH_AXES):
+    if _batch_pin_mesh(x, dim) is None:
         return x
     spec = [P.UNCONSTRAINED] * x.ndim
     spec[dim] = BATCH_AXES
     return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+def _batch_pin_mesh(x: jax.Array, dim: int) -> AbstractMesh | None:
+    """The ambient mesh where :func:`constrain_batch` pins ``x``'s dimension ``dim`` (the mesh has the batch axes
+    and data x fsdp divides that dimension), else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not all(axis in mesh.axis_names for axis in BATCH_AXES):
+        return None
+    if x.ndim <= dim or x.shape[dim] % math.prod(mesh.shape[axis] for axis in BATCH_AXES):
+        return None
+    return mesh
 
 
 def per_shard(function: Any, in_axes: Sequence[tuple[str, ...]], out_axes: Any,
@@ -454,6 +463,6 @@ __all__ = [
     "batch_shards", "batch_spec", "constrain", "constrain_batch", "describe_mesh", "gather_fsdp", "logical_spec",
     "make_mesh", "mesh_axes", "named_shardings", "per_shard", "per_shard_attention",
     "partition_specs", "path_str", "resolve_mesh_shape", "shard_batch", "sharding_fallbacks",
-    "sharding_summary", "valid_mesh_shapes", "rows_to_batch",
+    "rows_to_batch", "sharding_summary", "valid_mesh_shapes",
 ]
 
