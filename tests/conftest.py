@@ -1,6 +1,6 @@
-"""Test-suite set-up: the CPU platform with 8 host devices on every machine, the jaxtyping import hook over the
-whole package, float32 matmuls at full precision, one persistent XLA compilation cache for the whole run, and
-per-test timeouts (longer for ``slow`` tests)."""
+"""Test-suite set-up: the CPU platform with 8 host devices on every machine, XLA CPU's machine code unoptimised
+(faster compiles), the jaxtyping import hook over the whole package, float32 matmuls at full precision, one
+persistent XLA compilation cache for the whole run, and per-test timeouts (longer for ``slow`` tests)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ import pytest
 os.environ["JAX_PLATFORMS"] = "cpu"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# XLA's CPU backend compiles the test process's programs with LLVM's optimisation of the machine code off (`-O0`):
+# the quick loop is mostly XLA CPU compiles, and this takes about a third off each. XLA's own HLO passes (fusion,
+# layouts, sharding propagation, collectives) are the same at every level, so the tests check the programs users
+# run, as machine code about 2 x slower whose rounding can differ in the last bits (docs/testing.md, Time). The
+# training programs the tests start compile at XLA's default level, as users run them (they train for longer),
+# except a child whose bits a test compares with its own (helpers.suite_xla_flags). libtpu's TPU compiles are
+# unchanged by it. An XLA_FLAGS that names a level keeps its own.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 # Tests never touch the network: Hugging Face libraries must use only local files.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

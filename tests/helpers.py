@@ -49,6 +49,13 @@ def mode_case(mode: tuple[str, str, str], *rest: Any) -> Any:
     return (*mode, *rest) if tuple(mode) in QUICK_MODES else pytest.param(*mode, *rest, marks=pytest.mark.slow)
 
 
+def suite_xla_flags() -> str:
+    """XLA_FLAGS for a child process whose results a test compares bit for bit with its own: the suite's CPU
+    optimisation level (tests/conftest.py). Other children compile at XLA's default level, as users run them."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                    if f.startswith("--xla_backend_optimization_level"))
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without JAX's, libtpu's and XLA's settings (a child picks its own), plus
     ``extra``."""

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT
+from helpers import ROOT, suite_xla_flags
 
 from nash_mhc import ModelConfig
 from nash_mhc.data import ByteTokenizer, Corpus, make_datasets, masked_stream, open_source
@@ -282,7 +282,7 @@ def test_export_then_load_gives_the_checkpoints_logits_without_the_training_stac
     script = ("import sys, numpy as np, jax.numpy as jnp, nash_mhc; m = nash_mhc.load_exported(sys.argv[1]); "
               "np.save(sys.argv[2], np.asarray(m(jnp.asarray(np.load(sys.argv[3]))).logits)); "
               "assert not [k for k in sys.modules if k.startswith('orbax')], 'orbax imported'")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": suite_xla_flags()}  # compiled as in this process: the same bits
     subprocess.run([sys.executable, "-c", script, str(out), str(tmp_path / "logits.npy"), str(tmp_path / "tokens.npy")],
                    check=True, env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT, timeout=300)
     np.testing.assert_array_equal(np.load(tmp_path / "logits.npy"), checkpoint)
