@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before JAX starts
+# 8 host devices, before JAX starts; a user's other XLA flags are kept
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
