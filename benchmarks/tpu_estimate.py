@@ -4,15 +4,17 @@ compiler's cost model, never a measurement).
 
     python benchmarks/tpu_estimate.py [--presets base 1b 3b] [--slices v5e-8 v6e-8 v4-32] \\
         [--variants plain+full mhc+full mhc+multiscale+nash] [--results docs/results/tpu_estimate.jsonl] \\
-        [--doc docs/tpu.md] [--label before] [--earlier-labels LABEL ...] [--hlo-dir DIR] [--table-only]
+        [--doc docs/tpu.md] [--label before] [--earlier-labels LABEL ...] [--hlo-dir DIR] [--remat-group N] \\
+        [--table-only]
 
 Each (preset, slice) runs at the fit table's batch (the largest per-chip batch that fits, from
-docs/results/tpu_fit.jsonl: remat full in groups of 4 layers, 8 loss chunks, fsdp over every chip, data 1, tp
-1) with the same memory flags, and each variant is one ``python -m nash_mhc.train --compile-only`` configuration
-(built by the training program's own parser) compiled once: :mod:`nash_mhc.training.estimate` counts the loops
-of the compiled step by their trip counts, so no variant compiles are needed. Every compile is appended to the
-results file (JSON lines) as soon as it ends and the table between the ``tpu-estimate`` markers of the doc is
-rewritten from all results with the run's ``--label``, so an interrupted run keeps its rows and a rerun skips
+docs/results/tpu_fit.jsonl: remat full in groups of 4 layers, 8 loss chunks, fsdp over every chip, data 1, tp 1)
+with the same memory flags (``--remat-group`` compiles other groups; a row's group is a column of the table and its
+ratio is to plain + full at the same group), and each variant is one ``python -m nash_mhc.train --compile-only``
+configuration (built by the training program's own parser) compiled once: :mod:`nash_mhc.training.estimate` counts
+the loops of the compiled step by their trip counts, so no variant compiles are needed. Every compile is appended
+to the results file (JSON lines) as soon as it ends and the table between the ``tpu-estimate`` markers of the doc
+is rewritten from all results with the run's ``--label``, so an interrupted run keeps its rows and a rerun skips
 what it has; ``--earlier-labels`` fills the rows this run has not compiled from earlier runs (a change that leaves
 those programs as they were need not recompile them), each row naming its run. ``--hlo-dir`` keeps each optimised
 HLO module (gzip) to recompute the figures without compiling.
@@ -60,6 +62,12 @@ def fit_batches(path: Path) -> dict[tuple[str, str], int]:
 
 def key(preset: str, slice_name: str, variant: str, per_chip: int, label: str) -> str:
     return f"{preset}|{slice_name}|{variant}|{per_chip}|{label}"
+
+
+def row_remat_group(result: dict) -> int | None:
+    """Layers per rematerialised group of one result, read from its training-program flags (None without)."""
+    words = result.get("flags", "").split()
+    return int(words[words.index("--remat-group") + 1]) if "--remat-group" in words else None
 
 
 def commit() -> str:
@@ -139,13 +147,14 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
           batches: dict[tuple[str, str], int], labels: list[str]) -> tuple[list[str], list[str]]:
     """(markdown rows, the entries with no result yet). Each entry comes from the first of ``labels`` that has it
     (the run's label first, then the ``--earlier-labels``); the "run" column names it."""
-    rows = ["| preset | slice | tokens per chip | variant | est. step time | est. tokens/s per chip | est. MFU | "
-            "HBM per chip per step | step time ÷ plain+full | Pallas kernels (roofline) | compile | run |",
-            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    rows = ["| preset | slice | tokens per chip | variant | remat group | memory per chip | est. step time | "
+            "est. tokens/s per chip | est. MFU | HBM per chip per step | step time ÷ plain+full | "
+            "Pallas kernels (roofline) | compile | run |",
+            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
 
-    def first(preset: str, slice_name: str, variant: str, per_chip: int) -> dict | None:
-        return next((results[k] for k in (key(preset, slice_name, variant, per_chip, label) for label in labels)
-                     if k in results), None)
+    def first(preset: str, slice_name: str, variant: str, per_chip: int, group: object = "any") -> dict | None:
+        return next((r for r in (results.get(key(preset, slice_name, variant, per_chip, label)) for label in labels)
+                     if r is not None and group in ("any", row_remat_group(r))), None)
     missing = []
     for preset in presets:
         for slice_name in slices:
@@ -154,28 +163,28 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
                 missing.append(f"{preset} on {slice_name} (no fit-table batch)")
                 continue
             found = {v: first(preset, slice_name, v, per_chip) for v in variants}
-            base = found.get("plain+full")
             for variant, r in found.items():
                 if r is None:
                     missing.append(f"{preset} {variant} on {slice_name}")
                     continue
+                memory = "" if r.get("total_bytes") is None else f"{r['total_bytes'] / GIB:.1f} GiB"
+                head = (f"| {preset} | {slice_name} | {per_chip} x {r['seq_len']} | {variant} | "
+                        f"{row_remat_group(r) or ''} | {memory} | ")
                 if r["seconds"] is None:
-                    rows.append(f"| {preset} | {slice_name} | {per_chip} x {r['seq_len']} | {variant} | "
-                                f"{'does not fit' if r['fits'] is False else r['estimate_error']} | | | | | | | "
+                    rows.append(head + f"{'does not fit' if r['fits'] is False else r['estimate_error']} | | | | | | | "
                                 f"`{r['label']}` |")
                     continue
+                base = first(preset, slice_name, "plain+full", per_chip, row_remat_group(r))  # at the same memory flags
                 ratio = (f"{r['seconds'] / base['seconds']:.2f}" if base and base.get("seconds") else "")
                 kernels = (f"{100 * r['kernel_cycles'] / r['cycles']:.1f} %" if r.get("kernel_cycles") is not None
                            else "not costed")
-                rows.append(f"| {preset} | {slice_name} | {per_chip} x {r['seq_len']} | {variant} | "
-                            f"{1e3 * r['seconds']:,.0f} ms | {r['tokens_per_second_per_chip']:,.0f} | "
+                rows.append(head + f"{1e3 * r['seconds']:,.0f} ms | {r['tokens_per_second_per_chip']:,.0f} | "
                             f"{100 * r['mfu']:.1f} % | {r['hbm_bytes'] / GIB:,.0f} GiB | {ratio} | {kernels} | "
                             f"{r['compile_seconds'] / 60:.0f} min | `{r['label']}` |")
     return rows, missing
 
 
-def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str, labels: list[str],
-              remat_group: int) -> None:
+def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str, labels: list[str]) -> None:
     text = doc.read_text()
     if START not in text:
         raise SystemExit(f"{doc} has no {START} ... {END} markers")
@@ -184,8 +193,12 @@ def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, mach
     body = [START, "", f"Produced by (run label `{labels[0]}`{earlier})", "", "```bash", command, "```", "",
             f"on {machine} (no TPU: libtpu's compiler and its cost model; every figure is the compiler's estimate, "
             "not a measurement). Each row is one `--compile-only` of the preset with the variant's `--residual` / "
-            "`--attention` flags and `" + " ".join(memory_flags(remat_group)) + "`, fsdp over every chip, at the fit "
-            "table's batch; the results file holds the exact flags, cycles and commit of each. \"Pallas kernels\": the "
+            "`--attention` flags, `--remat full --loss-chunks " + str(FIT_LOSS_CHUNKS) + "` and layers rematerialised "
+            "in groups of the \"remat group\" column (the fit table's " + str(FIT_REMAT_GROUP) + " unless the run "
+            "gave `--remat-group`), fsdp over every chip, at the fit table's batch (the largest per-chip batch "
+            "that fits at its memory settings); \"memory per chip\" is the compiler's arguments + temporaries, "
+            "\"step time ÷ plain+full\" is to plain + full at the same remat group. The results file holds the "
+            "exact flags, cycles and commit of each. \"Pallas kernels\": the "
             "share of the estimate that is Pallas kernels (flash attention; RoPE; mHC's stream update, collapse and "
             "Sinkhorn; the Nash aggregation's passes over the scale outputs and its game's Newton loop; multiscale "
             "down- and upsampling) "
@@ -214,8 +227,8 @@ def main() -> None:
                         "programs as they were)")
     parser.add_argument("--hlo-dir", default=None, help="keep each compiled step's optimised HLO here (gzip)")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results only")
-    parser.add_argument("--remat-group", type=int, default=FIT_REMAT_GROUP, help="layers per rematerialised group "
-                        "(the fit table's by default; give the run its own --label)")
+    parser.add_argument("--remat-group", type=int, default=None, help="layers per rematerialised group (default: "
+                        "the fit table's; give the run its own --label)")
     args = parser.parse_args()
     results_path, doc = Path(args.results), Path(args.doc)
     batches = fit_batches(Path(args.fit_results))
@@ -228,7 +241,7 @@ def main() -> None:
     chosen = [f"--{name} {' '.join(value)}" for name, value, default in (
         ("presets", args.presets, PRESETS), ("slices", args.slices, SLICES), ("variants", args.variants,
                                                                              list(VARIANTS))) if value != default]
-    if args.remat_group != FIT_REMAT_GROUP:
+    if args.remat_group is not None:
         chosen.append(f"--remat-group {args.remat_group}")
     chosen += [f"--earlier-labels {' '.join(args.earlier_labels)}"] if args.earlier_labels else []
     command = " ".join(["python benchmarks/tpu_estimate.py", *chosen, f"--label {args.label}"])
@@ -237,7 +250,7 @@ def main() -> None:
 
     def refresh() -> None:
         rows, missing = table(results, PRESETS, SLICES, list(VARIANTS), batches, labels)
-        write_doc(doc, rows, missing, command, machine, labels, args.remat_group)
+        write_doc(doc, rows, missing, command, machine, labels)
 
     refresh()
     if args.table_only:
@@ -250,7 +263,8 @@ def main() -> None:
                 if per_chip is None or name in results:
                     continue
                 results[name] = compile_once(preset, slice_name, variant, per_chip, args.label,
-                                             Path(args.hlo_dir) if args.hlo_dir else None, args.remat_group)
+                                             Path(args.hlo_dir) if args.hlo_dir else None,
+                                             args.remat_group or FIT_REMAT_GROUP)
                 results_path.parent.mkdir(parents=True, exist_ok=True)
                 with results_path.open("a") as f:
                     f.write(json.dumps(results[name]) + "\n")

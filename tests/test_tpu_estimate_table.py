@@ -32,3 +32,26 @@ def test_rows_come_from_the_runs_label_first_then_the_earlier_ones_in_order():
                               {("3b", "v6e-8"): 8}, ["new"])
     assert len(only_new) == 3 and missing == ["3b plain+full on v6e-8"]
     assert only_new[2].endswith("| `new` |") and "| 1,800 ms |" in only_new[2]
+
+
+def test_each_ratio_is_to_plain_full_at_the_rows_own_remat_group():
+    """A row at another remat group than the table's plain + full row (an earlier run's) is compared with the
+    plain + full compile at its own group; the group and the memory per chip are columns of their own."""
+    def at(variant: str, label: str, seconds: float, group: int) -> dict:
+        return {**result(variant, label, seconds), "total_bytes": 3 * 2**30 * group,
+                "flags": f"--model 3b --remat full --remat-group {group} --loss-chunks 8"}
+
+    rows = [at("plain+full", "new", 1.0, 1), at("plain+full", "old", 1.25, 4), at("mhc+full", "old", 1.5, 4),
+            at("mhc+multiscale+nash", "new", 1.3, 1)]
+    results = {key(r["preset"], r["slice"], r["variant"], r["per_chip"], r["label"]): r for r in rows}
+    lines, missing = table(results, ["3b"], ["v6e-8"], ["plain+full", "mhc+full", "mhc+multiscale+nash"],
+                           {("3b", "v6e-8"): 8}, ["new", "old"])
+    body = {line.split(" | ")[3]: line.split(" | ") for line in lines[2:]}
+    header = lines[0].split(" | ")
+    group, memory, ratio = header.index("remat group"), header.index("memory per chip"), header.index(
+        "step time ÷ plain+full")
+    assert [body[v][group] for v in ("plain+full", "mhc+full", "mhc+multiscale+nash")] == ["1", "4", "1"]
+    assert [body[v][memory] for v in ("plain+full", "mhc+full", "mhc+multiscale+nash")] == [
+        "3.0 GiB", "12.0 GiB", "3.0 GiB"]
+    assert body["mhc+full"][ratio] == "1.20" and body["mhc+multiscale+nash"][ratio] == "1.30"
+    assert missing == []
