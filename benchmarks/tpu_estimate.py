@@ -26,6 +26,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -139,7 +140,7 @@ def compile_once(preset: str, slice_name: str, variant: str, per_chip: int, labe
             "collective_bytes": cost and cost.collective_bytes, "loops": cost and len(cost.loops),
             "uncosted": cost and cost.uncosted, "flops_per_token": report.flops_per_token,
             "compile_seconds": round(seconds, 1),
-            "machine": f"{os.uname().nodename}, {os.cpu_count()} CPU cores", "commit": commit(),
+            "machine": f"{os.uname().nodename}, {os.cpu_count()} CPU cores, {cpu_model()}", "commit": commit(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
@@ -184,10 +185,19 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
     return rows, missing
 
 
-def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str, labels: list[str]) -> None:
+MACHINE = re.compile(r"\non (.+?) \(no TPU: ")
+
+
+def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str | None,
+              labels: list[str]) -> None:
+    """Rewrite the table between the markers; ``machine`` None keeps the machine the table already names (a
+    ``--table-only`` rewrite compiled nothing on this one)."""
     text = doc.read_text()
     if START not in text:
         raise SystemExit(f"{doc} has no {START} ... {END} markers")
+    if machine is None:
+        found = MACHINE.search(text[text.index(START):text.index(END)])
+        machine = found.group(1) if found else "an unrecorded machine"
     earlier = (f"; the rows it did not compile come from the earlier runs {', '.join(f'`{x}`' for x in labels[1:])}"
                ", first found (the \"run\" column)" if len(labels) > 1 else "")
     body = [START, "", f"Produced by (run label `{labels[0]}`{earlier})", "", "```bash", command, "```", "",
@@ -246,7 +256,7 @@ def main() -> None:
     chosen += [f"--earlier-labels {' '.join(args.earlier_labels)}"] if args.earlier_labels else []
     command = " ".join(["python benchmarks/tpu_estimate.py", *chosen, f"--label {args.label}"])
     labels = [args.label, *args.earlier_labels]
-    machine = f"a shared {os.cpu_count()}-core VM ({cpu_model()}), CPU only"
+    machine = None if args.table_only else f"a shared {os.cpu_count()}-core VM ({cpu_model()}), CPU only"
 
     def refresh() -> None:
         rows, missing = table(results, PRESETS, SLICES, list(VARIANTS), batches, labels)

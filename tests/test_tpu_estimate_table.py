@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from tpu_estimate import key, table  # noqa: E402
+from tpu_estimate import END, START, key, table, write_doc  # noqa: E402
 
 
 def result(variant: str, label: str, seconds: float) -> dict:
@@ -55,3 +55,16 @@ def test_each_ratio_is_to_plain_full_at_the_rows_own_remat_group():
         "3.0 GiB", "12.0 GiB", "3.0 GiB"]
     assert body["mhc+full"][ratio] == "1.20" and body["mhc+multiscale+nash"][ratio] == "1.30"
     assert missing == []
+
+
+def test_a_table_only_rewrite_keeps_the_machine_the_table_names(tmp_path):
+    """``--table-only`` compiles nothing, so the machine the rows were compiled on stays in the doc; a run that
+    compiles names its own."""
+    doc = tmp_path / "tpu.md"
+    doc.write_text(f"intro\n{START}\n\non a shared 2-core VM (AMD EPYC), CPU only (no TPU: old text\n{END}\nrest\n")
+    write_doc(doc, [], [], "python benchmarks/tpu_estimate.py --label x", None, ["x"])
+    assert "\non a shared 2-core VM (AMD EPYC), CPU only (no TPU: libtpu's" in doc.read_text()
+    write_doc(doc, [], [], "python benchmarks/tpu_estimate.py --label y", "a shared 2-core VM (Xeon), CPU only", ["y"])
+    text = doc.read_text()
+    assert "\non a shared 2-core VM (Xeon), CPU only (no TPU: " in text and "AMD EPYC" not in text
+    assert text.startswith("intro\n") and text.endswith(f"{END}\nrest\n")
