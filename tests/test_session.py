@@ -103,3 +103,20 @@ def test_prepare_measures_the_peak_before_it_opens_the_data_or_makes_the_state(t
         prepared.logger.close()
         prepared.checkpointer.close()
         prepared.lock.release()
+
+
+def test_the_directory_probe_leaves_another_runs_directory_in_a_shared_parent(tmp_path, monkeypatch):
+    """Two runs started at once under a new parent (docs/tpu.md's two CPU checks into runs/...): the probe that
+    creates and removes the missing directories must not fail, nor remove, where the other run has meanwhile made
+    its own directory in the parent."""
+    made = session._make_directory
+
+    def make_then_the_other_run_makes_its_own(directory):
+        made(directory)
+        (tmp_path / "runs" / "other").mkdir()
+        (tmp_path / "runs" / "other" / "metrics.jsonl").write_text("{}\n")
+
+    monkeypatch.setattr(session, "_make_directory", make_then_the_other_run_makes_its_own)
+    session._check_directory(session.paths.as_path(tmp_path / "runs" / "mine"))
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["other"]
+    assert (tmp_path / "runs" / "other" / "metrics.jsonl").read_text() == "{}\n"

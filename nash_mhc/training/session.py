@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -108,8 +109,10 @@ def _check_directory(directory: paths.Path) -> None:
     if missing and jax.process_index() == 0:  # one probe per run (the hosts may share the filesystem)
         _make_directory(directory)
         for created in missing:  # deepest first: nothing is left behind
+            # os.rmdir removes only an empty directory, atomically: another run started beside this one may have
+            # made its own directory in a parent meanwhile (epath's rmdir lists, then removes the whole tree).
             with contextlib.suppress(OSError):
-                created.rmdir()
+                os.rmdir(created)
 
 
 def _make_directory(directory: paths.Path) -> None:
