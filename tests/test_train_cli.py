@@ -411,18 +411,18 @@ def test_config_file_values_sit_under_the_flags(tmp_path):
 
 
 def test_large_presets_train_with_their_memory_settings_unless_flags_say_otherwise():
-    """--model 1b defaults to remat full per layer and 8 loss chunks, --model 3b to remat full in groups of 4 layers
-    and 8 loss chunks (docs/tpu.md, "Does it fit?"); --remat/--remat-group override the pair, --loss-chunks alone;
-    other presets keep no remat."""
+    """--model 1b and --model 3b default to remat full per layer and 8 loss chunks (docs/tpu.md, "Does it fit?");
+    --remat/--remat-group override the pair, --loss-chunks alone; other presets keep no remat."""
     def memory(*argv: str) -> tuple[str, int, int]:
         configs, _ = train_module.configs(list(argv))
         return configs.model.remat, configs.model.remat_group, configs.train.loss_chunks
 
     assert memory("--model", "1b") == ("full", 1, 8)
-    assert memory("--model", "3b") == ("full", 4, 8)
+    assert memory("--model", "3b") == ("full", 1, 8)
     assert memory("--model", "1b", "--remat", "none") == ("none", 1, 8)
     assert memory("--model", "3b", "--remat-group", "2") == ("none", 2, 8)
-    assert memory("--model", "3b", "--loss-chunks", "2") == ("full", 4, 2)
+    assert memory("--model", "3b", "--loss-chunks", "2") == ("full", 1, 2)
+    assert memory("--model", "3b", "--remat", "full", "--remat-group", "4") == ("full", 4, 8)
     assert memory("--model", "base") == ("none", 1, 1) == memory("--model", "tiny")
 
 

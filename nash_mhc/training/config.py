@@ -21,13 +21,12 @@ SEED = (lambda v: NON_NEGATIVE_INT[0](v) and v < 2**63, "must be an integer in [
 
 
 # The training program's memory settings per preset, where a preset's train step does not fit a TPU slice's
-# HBM without them. 1b rematerialises each layer on its own (it fits without layer groups and runs faster; the
-# fit table's largest batches need groups), 3b in groups of 4 (the fit table's settings); the compile-only
-# figures behind both are in docs/tpu.md, "Does it fit?". A flag given overrides them: --remat/--remat-group as
-# a pair, --loss-chunks alone.
+# HBM without them. 1b and 3b rematerialise each layer on its own (they fit v5e-8, v6e-8 and v4-32 without layer
+# groups and run faster; the fit table's largest batches need groups); the compile-only figures behind this are
+# in docs/tpu.md, "Does it fit?". A flag given overrides them: --remat/--remat-group as a pair, --loss-chunks alone.
 MEMORY_DEFAULTS: dict[str, dict[str, Any]] = {
     "1b": {"remat": "full", "remat_group": 1, "loss_chunks": 8},
-    "3b": {"remat": "full", "remat_group": 4, "loss_chunks": 8},
+    "3b": {"remat": "full", "remat_group": 1, "loss_chunks": 8},
 }
 
 
