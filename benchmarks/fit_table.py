@@ -29,7 +29,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from host import cpu_model
+from host import table_host
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- fit-table start -->", "<!-- fit-table end -->"
@@ -186,8 +186,12 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], loss_
     return rows, missing
 
 
-def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str) -> None:
+def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, compiled_here: bool) -> None:
+    """Rewrite the table between the markers, naming this host if the run compiled (:func:`host.table_host`)."""
     text = doc.read_text()
+    if START not in text:
+        raise SystemExit(f"{doc} has no {START} ... {END} markers")
+    machine = table_host(text, START, END, compiled_here)
     body = [START, "", "Produced by", "", "```bash", command, "```", "",
             f"on {machine} (no TPU: libtpu's compiler, `--compile-only`'s numbers). Mesh: fsdp over every chip; "
             "remat full, in groups of the *remat group* layers (`--remat-group`); the preset's dtype and sequence "
@@ -196,11 +200,7 @@ def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, mach
         body += [f"No answer yet (each compile takes 2-30 minutes on this machine; the results file holds the "
                  f"compiles done so far): {', '.join(missing)}.", ""]
     body.append(END)
-    if START in text:
-        text = text[:text.index(START)] + "\n".join(body) + text[text.index(END) + len(END):]
-    else:
-        raise SystemExit(f"{doc} has no {START} ... {END} markers")
-    doc.write_text(text)
+    doc.write_text(text[:text.index(START)] + "\n".join(body) + text[text.index(END) + len(END):])
 
 
 def main() -> None:
@@ -223,13 +223,12 @@ def main() -> None:
     results = load(results_path)
     full_command = (f"python benchmarks/fit_table.py --max-batch {args.max_batch} --loss-chunks {args.loss_chunks} "
                     f"--remat-group {args.remat_group}")
-    machine = f"a shared {os.cpu_count()}-core VM ({cpu_model()}), CPU only"
 
     def refresh() -> None:  # the doc's table always covers the whole default grid (a run may do part of it)
         presets = [*PRESETS, *(p for p in args.presets if p not in PRESETS)]
         slices = [*SLICES, *(s for s in args.slices if s not in SLICES)]
         rows, missing = table(results, presets, slices, args.loss_chunks, args.remat_group, args.max_batch)
-        write_doc(doc, rows, missing, full_command, machine)
+        write_doc(doc, rows, missing, full_command, not args.table_only)
 
     compiled_now: set[str] = set()
 

@@ -26,13 +26,12 @@ import argparse
 import gzip
 import json
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from host import cpu_model
+from host import cpu_model, table_host
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- tpu-estimate start -->", "<!-- tpu-estimate end -->"
@@ -185,19 +184,13 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
     return rows, missing
 
 
-MACHINE = re.compile(r"\non (.+?) \(no TPU: ")
-
-
-def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, machine: str | None,
+def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, compiled_here: bool,
               labels: list[str]) -> None:
-    """Rewrite the table between the markers; ``machine`` None keeps the machine the table already names (a
-    ``--table-only`` rewrite compiled nothing on this one)."""
+    """Rewrite the table between the markers, naming this host if the run compiled (:func:`host.table_host`)."""
     text = doc.read_text()
     if START not in text:
         raise SystemExit(f"{doc} has no {START} ... {END} markers")
-    if machine is None:
-        found = MACHINE.search(text[text.index(START):text.index(END)])
-        machine = found.group(1) if found else "an unrecorded machine"
+    machine = table_host(text, START, END, compiled_here)
     earlier = (f"; the rows it did not compile come from the earlier runs {', '.join(f'`{x}`' for x in labels[1:])}"
                ", first found (the \"run\" column)" if len(labels) > 1 else "")
     body = [START, "", f"Produced by (run label `{labels[0]}`{earlier})", "", "```bash", command, "```", "",
@@ -256,11 +249,10 @@ def main() -> None:
     chosen += [f"--earlier-labels {' '.join(args.earlier_labels)}"] if args.earlier_labels else []
     command = " ".join(["python benchmarks/tpu_estimate.py", *chosen, f"--label {args.label}"])
     labels = [args.label, *args.earlier_labels]
-    machine = None if args.table_only else f"a shared {os.cpu_count()}-core VM ({cpu_model()}), CPU only"
 
     def refresh() -> None:
         rows, missing = table(results, PRESETS, SLICES, list(VARIANTS), batches, labels)
-        write_doc(doc, rows, missing, command, machine, labels)
+        write_doc(doc, rows, missing, command, not args.table_only, labels)
 
     refresh()
     if args.table_only:

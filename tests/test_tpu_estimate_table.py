@@ -3,12 +3,16 @@ has it, named in the "run" column; the ratio to plain + full whichever run each 
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from tpu_estimate import END, START, key, table, write_doc  # noqa: E402
+from host import compiling_host  # noqa: E402
+from tpu_estimate import key, table  # noqa: E402
 
 
 def result(variant: str, label: str, seconds: float) -> dict:
@@ -57,14 +61,19 @@ def test_each_ratio_is_to_plain_full_at_the_rows_own_remat_group():
     assert missing == []
 
 
-def test_a_table_only_rewrite_keeps_the_machine_the_table_names(tmp_path):
+@pytest.mark.parametrize("script", ["tpu_estimate", "fit_table"])
+def test_a_table_only_rewrite_keeps_the_machine_the_table_names(tmp_path, script):
     """``--table-only`` compiles nothing, so the machine the rows were compiled on stays in the doc; a run that
-    compiles names its own."""
+    compiles names its own. Both compile tables (the estimate table and the fit table) write it so."""
+    module = importlib.import_module(script)
+    write = ((lambda doc, compiled: module.write_doc(doc, [], [], "cmd", compiled, ["x"])) if script == "tpu_estimate"
+             else (lambda doc, compiled: module.write_doc(doc, [], [], "cmd", compiled)))
     doc = tmp_path / "tpu.md"
-    doc.write_text(f"intro\n{START}\n\non a shared 2-core VM (AMD EPYC), CPU only (no TPU: old text\n{END}\nrest\n")
-    write_doc(doc, [], [], "python benchmarks/tpu_estimate.py --label x", None, ["x"])
+    doc.write_text(f"intro\n{module.START}\n\non a shared 2-core VM (AMD EPYC), CPU only (no TPU: old text\n"
+                   f"{module.END}\nrest\n")
+    write(doc, False)
     assert "\non a shared 2-core VM (AMD EPYC), CPU only (no TPU: libtpu's" in doc.read_text()
-    write_doc(doc, [], [], "python benchmarks/tpu_estimate.py --label y", "a shared 2-core VM (Xeon), CPU only", ["y"])
+    write(doc, True)
     text = doc.read_text()
-    assert "\non a shared 2-core VM (Xeon), CPU only (no TPU: " in text and "AMD EPYC" not in text
-    assert text.startswith("intro\n") and text.endswith(f"{END}\nrest\n")
+    assert f"\non {compiling_host()} (no TPU: " in text and "AMD EPYC" not in text
+    assert text.startswith("intro\n") and text.endswith(f"{module.END}\nrest\n")
