@@ -184,6 +184,24 @@ def test_a_second_lock_names_the_holder_and_a_stale_lock_is_taken_over(tmp_path,
     assert "stale" not in capsys.readouterr().err
 
 
+def test_a_run_refused_before_the_holder_has_named_itself_waits_for_the_name(tmp_path):
+    import fcntl
+    import threading
+
+    from nash_mhc.training.run_lock import DirectoryInUse, RunLock
+
+    fd = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)  # a holder between its flock and its write
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    writer = threading.Timer(0.3, os.pwrite, (fd, b"host there pid 4242\n", 0))
+    writer.start()
+    try:
+        with pytest.raises(DirectoryInUse, match=r"\(host there pid 4242\)"):
+            RunLock(tmp_path)
+    finally:
+        writer.join()
+        os.close(fd)
+
+
 def read_only_filesystem(monkeypatch, root: Path) -> None:
     """Make writes under ``root`` fail as on a read-only mount (EROFS: not a PermissionError, and root-proof)."""
     import builtins

@@ -13,6 +13,7 @@ import fcntl
 import os
 import socket
 import sys
+import time
 
 from nash_mhc import paths
 
@@ -38,7 +39,7 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read(fd)
+                holder = _holder(fd)
                 os.close(fd)
                 raise DirectoryInUse(f"{os.path.dirname(path)} is in use by another training run ({holder}); "
                                      "wait for it to finish or use another --checkpoint-dir") from None
@@ -53,8 +54,9 @@ class RunLock:
         if previous:
             print(f"warning: taking over the stale lock of {os.path.dirname(path)} left by {previous} (that "
                   "process is no longer running)", file=sys.stderr)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
+        record = f"host {socket.gethostname()} pid {os.getpid()}\n".encode()
+        os.pwrite(fd, record, 0)  # then cut any longer stale record: the file is never seen empty once named
+        os.ftruncate(fd, len(record))
         self.path, self._fd = path, fd
 
     def release(self) -> None:
@@ -69,4 +71,14 @@ class RunLock:
 
 
 def _read(fd: int) -> str:
-    return os.pread(fd, 200, 0).decode(errors="replace").strip()
+    """The first line of the lock file ('' while it is empty)."""
+    return os.pread(fd, 200, 0).decode(errors="replace").strip().split("\n")[0].strip()
+
+
+def _holder(fd: int, wait_s: float = 2.0) -> str:
+    """The holder named in the lock file. A holder writes its name just after it takes the lock, so a run refused
+    in between waits for it (up to ``wait_s``) instead of naming nobody."""
+    deadline = time.monotonic() + wait_s
+    while not (holder := _read(fd)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return holder or "its holder has not named itself yet"
