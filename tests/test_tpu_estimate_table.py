@@ -68,12 +68,12 @@ def test_a_table_only_rewrite_keeps_the_machine_the_table_names(tmp_path, script
     module = importlib.import_module(script)
     write = ((lambda doc, compiled: module.write_doc(doc, [], [], "cmd", compiled, ["x"])) if script == "tpu_estimate"
              else (lambda doc, compiled: module.write_doc(doc, [], [], "cmd", compiled)))
-    doc = tmp_path / "tpu.md"
-    doc.write_text(f"intro\n{module.START}\n\non a shared 2-core VM (AMD EPYC), CPU only (no TPU: old text\n"
-                   f"{module.END}\nrest\n")
+    doc, elsewhere = tmp_path / "tpu.md", "a shared 2-core VM (Elsewhere CPU 9999), CPU only"  # not this host's
+    assert elsewhere != compiling_host()
+    doc.write_text(f"intro\n{module.START}\n\non {elsewhere} (no TPU: old text\n{module.END}\nrest\n")
     write(doc, False)
-    assert "\non a shared 2-core VM (AMD EPYC), CPU only (no TPU: libtpu's" in doc.read_text()
+    assert f"\non {elsewhere} (no TPU: libtpu's" in doc.read_text()
     write(doc, True)
     text = doc.read_text()
-    assert f"\non {compiling_host()} (no TPU: " in text and "AMD EPYC" not in text
+    assert f"\non {compiling_host()} (no TPU: " in text and "Elsewhere CPU" not in text
     assert text.startswith("intro\n") and text.endswith(f"{module.END}\nrest\n")
