@@ -13,13 +13,15 @@ models larger than one device; the batch is split over data x fsdp); without the
 Prompt/response data (``--prompt-field``/``--response-field``, recorded by a fine-tuning run) is evaluated on
 the response tokens only, as it was trained: the loss is the masked loss. An export folder
 (``python -m nash_mhc.export``) works as ``--checkpoint-dir`` too.
-Exit codes: 0 done, 2 bad arguments or inputs (one line on stderr).
+Exit codes: 0 done, 2 bad arguments or inputs, a corrupt checkpoint included (one line on stderr), 3 a
+loss that is not finite (the JSON line carries null for it, and stderr one line).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 
 from nash_mhc.cli import SettingsParser, checkpoint_program_parser, fail
@@ -80,8 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         return fail(error)
     result = evaluate(loaded.model, data, loaded.tokenizer, batch_size=batch_size,
                       num_batches=config.num_batches, first_batch=config.first_batch, mesh=loaded.mesh)
-    print(json.dumps({**result.to_dict(), "step": loaded.step, "dataset": data_config.dataset,
-                      "split": config.part, "window_seed": window_seed}), flush=True)
+    record = {**result.to_dict(), "step": loaded.step, "dataset": data_config.dataset, "split": config.part,
+              "window_seed": window_seed}
+    not_finite = sorted(k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v))
+    print(json.dumps({k: None if k in not_finite else v for k, v in record.items()}), flush=True)  # valid JSON
+    if not_finite:
+        print(f"error: {', '.join(not_finite)} not finite ({record[not_finite[0]]}): the model's outputs overflow "
+              "or its weights are not finite", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -4,8 +4,9 @@ The export holds the model alone (no optimizer state, no Orbax): every array of 
 ``model.safetensors``, named by its tree path (``blocks.attn.wq``, ``embed.weight``: ``jax.tree_util.keystr``
 with ``.`` separators, so parameters added later are exported without a list to update), and ``config.json``
 (``{"format": "nash_mhc-export", "version", "model_format", "model_config", "tokenizer", "step", "data",
-"seed", "nash_mhc_version"}``). A Hugging Face tokenizer is saved beside them (``tokenizer.json``,
-``tokenizer_config.json``); the byte tokenizer is recorded by name.
+"seed", "nash_mhc_version", "checksums"}``; ``checksums``: the crc32c of every tensor's bytes, verified by
+:func:`load_exported`; exports written before it have none). A Hugging Face tokenizer is saved beside them
+(``tokenizer.json``, ``tokenizer_config.json``); the byte tokenizer is recorded by name.
 
 :func:`load_exported` rebuilds the model from these files alone, on any device (JAX's default, or ``device``):
 it imports the model code and ``safetensors``, not the training stack. ``python -m nash_mhc.generate`` and
@@ -31,7 +32,7 @@ from nash_mhc.model_format import FORMAT_CHANGES, MODEL_FORMAT
 FORMAT, VERSION = "nash_mhc-export", 1
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
-__all__ = ["ExportError", "export_model", "is_exported", "load_exported", "named_arrays", "read_config",
+__all__ = ["ExportError", "crc32c", "export_model", "is_exported", "load_exported", "named_arrays", "read_config",
            "require_safetensors"]
 
 
@@ -52,6 +53,18 @@ def named_arrays(tree: Any) -> list[tuple[str, Any]]:
     arrays = eqx.filter(tree, lambda x: isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray))
     leaves = jax.tree_util.tree_flatten_with_path(arrays)[0]
     return [(jax.tree_util.keystr(path, simple=True, separator="."), leaf) for path, leaf in leaves]
+
+
+def crc32c(tensor: np.ndarray, chunk_bytes: int = 1 << 22) -> int:
+    """crc32c (``google-crc32c``, what GCS uses) of ``tensor``'s C-order bytes, fed in chunks (its C function
+    takes only ``bytes``: one copy of a large tensor at once costs more than the hashing)."""
+    import google_crc32c
+
+    flat = np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)
+    crc = 0
+    for start in range(0, flat.size, chunk_bytes):
+        crc = google_crc32c.extend(crc, flat[start:start + chunk_bytes].tobytes())
+    return crc
 
 
 def is_exported(directory: paths.PathLike) -> bool:
@@ -107,12 +120,14 @@ def load_exported(directory: paths.PathLike, *, device: jax.Device | None = None
     if missing or extra:
         raise ExportError(f"{weights} does not fit the model of its config.json: missing {missing[:3]}, "
                           f"unexpected {extra[:3]}")
-    values = {}
+    values, recorded = {}, config.get("checksums", {})
     for name, leaf in named:
         tensor = tensors[name]
         if tuple(tensor.shape) != tuple(leaf.shape) or tensor.dtype != leaf.dtype:
             raise ExportError(f"{weights}: {name} is {tensor.dtype}{list(tensor.shape)}, the model expects "
                               f"{leaf.dtype}{list(leaf.shape)}")
+        if name in recorded and crc32c(tensor) != recorded[name]:
+            raise ExportError(f"{weights} is corrupt: crc32c of {name} differs from the one recorded at export")
         values[name] = jax.device_put(tensor, device) if device is not None else jnp.asarray(tensor)
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: values[jax.tree_util.keystr(path, simple=True, separator=".")]
@@ -145,7 +160,7 @@ def export_model(model: LanguageModel, tokenizer: Any, out: paths.PathLike, *, s
     config = {"format": FORMAT, "version": VERSION, "model_format": MODEL_FORMAT,
               "model_config": model.config.to_dict(), "tokenizer": _save_tokenizer(tokenizer, directory),
               "step": step, "data": meta.get("data", {}), "seed": meta.get("train_config", {}).get("seed", 0),
-              "nash_mhc_version": _version()}
+              "nash_mhc_version": _version(), "checksums": {name: crc32c(t) for name, t in tensors.items()}}
     (directory / WEIGHTS).write_bytes(st.save(tensors, metadata={"format": FORMAT, "model_format": str(MODEL_FORMAT)}))
     (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")  # last: marks it complete
     return directory

@@ -16,6 +16,7 @@ grow while a run is going (``metrics.jsonl``, TensorBoard event files) are writt
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -24,6 +25,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path as LocalPath
+from typing import Any
 
 from etils import epath
 
@@ -65,6 +67,34 @@ def as_path(path: PathLike) -> epath.Path:
                else "pip install " + " ".join(missing))
         raise ValueError(f"{text}: {kind}:// paths need {' and '.join(missing)} ({how})")
     return epath.Path(text)
+
+
+def fresh(path: epath.Path) -> epath.Path:
+    """``path`` after dropping the bucket client's cached listings under it (fsspec caches a folder's listing,
+    and TensorStore and other processes write behind its back); a local path as it is."""
+    if is_remote(path):
+        with contextlib.suppress(ImportError, ValueError):
+            _bucket_fs(path).invalidate_cache()
+    return path
+
+
+def _bucket_fs(path: epath.Path) -> Any:
+    """The fsspec filesystem epath reaches ``path`` through (its own instance, with its own listing cache)."""
+    from etils.epath import backend
+
+    return backend.fsspec_backend.fs(os.fspath(path))
+
+
+def move(source: epath.Path, target: epath.Path) -> None:
+    """Move the folder ``source`` to ``target`` (whose parent need not exist). A bucket has no rename: the objects
+    are copied and deleted one by one, so a move interrupted half-way leaves each object in one place or both."""
+    if not is_remote(source):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(target)
+        return
+    fs = _bucket_fs(source)
+    fs.mv(os.fspath(source), os.fspath(target), recursive=True)
+    fs.invalidate_cache()
 
 
 def missing_packages(kind: str) -> list[str]:

@@ -1,8 +1,12 @@
 """Orbax checkpoints of the TrainState plus a JSON record of the run (step, data position, configs).
 
-Layout: ``<dir>/<step>/state`` (every array leaf of the TrainState, keyed by its tree path) and
-``<dir>/<step>/meta`` (JSON). Saves are asynchronous; Orbax writes into a temporary directory and renames it
-when complete, so a process killed mid-save leaves the previous checkpoint as the latest one. Restores place
+Layout: ``<dir>/<step>/state`` (every array leaf of the TrainState, keyed by its tree path),
+``<dir>/<step>/meta`` (JSON) and ``<dir>/<step>/checksums`` (crc32c of every array slice, :mod:`.checksums`,
+verified by every restore). Saves are asynchronous; a step counts once Orbax has committed it (a renamed
+temporary folder locally, a ``commit_success.txt`` in a bucket), so a process killed mid-save leaves the previous
+checkpoint as the latest one. The unfinished folder it leaves is removed when the run is next opened for writing,
+and nothing else in ``<dir>`` ever is (:func:`unfinished_saves`): Orbax's own clean-up takes every folder of a
+bucket directory without a commit marker for a failed save, neighbouring runs included. Restores place
 every array with the sharding of the *current* mesh, so a run saved on one mesh resumes on any other.
 Every process must call save/restore (Orbax coordinates the hosts). Directories may be local paths or bucket
 URIs (``gs://bucket/run``): they go through :mod:`nash_mhc.paths` (etils.epath), as Orbax's own I/O does.
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import sys
 import warnings
 from typing import Any
@@ -24,6 +29,7 @@ from jaxtyping import PyTree
 from nash_mhc import paths
 from nash_mhc.config import ModelConfig
 from nash_mhc.model_format import FORMAT_CHANGES, MODEL_FORMAT
+from nash_mhc.training import checksums
 
 
 class CheckpointError(ValueError):
@@ -72,8 +78,37 @@ def config_differences(saved: dict[str, Any], current: ModelConfig) -> list[str]
     return sorted(changed + [k for k in saved if k not in now])
 
 
+UNFINISHED_LOCAL = re.compile(r"^\d+\.orbax-checkpoint-tmp")  # Orbax's temporary step folder before its rename
+ORBAX_ENTRIES = ("state", "meta", checksums.ITEM, "_CHECKPOINT_METADATA")  # what an Orbax save writes in a step
+COMMIT_MARKER = "commit_success.txt"
+
+
+def unfinished_saves(directory: paths.Path) -> list[paths.Path]:
+    """The folders of ``directory`` that an interrupted save left: Orbax's temporary step folders
+    (``<step>.orbax-checkpoint-tmp-<time>``) and, in a bucket (no atomic rename), step folders (``<step>``) that hold
+    what an Orbax save writes but no commit marker. A folder of any other name or content is never one."""
+    def uncommitted_bucket_step(child: paths.Path) -> bool:
+        return (paths.is_remote(directory) and child.name.isdigit() and not (child / COMMIT_MARKER).exists()
+                and any((child / entry).exists() for entry in ORBAX_ENTRIES))
+
+    children = paths.fresh(directory).iterdir() if directory.exists() else ()
+    return [child for child in children if UNFINISHED_LOCAL.match(child.name) or uncommitted_bucket_step(child)]
+
+
+def remove_unfinished_saves(directory: paths.Path) -> None:
+    """Process 0 removes :func:`unfinished_saves` (a new save of that step would collide with one); every host
+    waits for it."""
+    if jax.process_index() == 0:
+        for folder in unfinished_saves(directory):
+            folder.rmtree(missing_ok=True)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("nash_mhc unfinished saves")
+
+
 class Checkpointer:
-    """Thin wrapper around ``ocp.CheckpointManager`` for TrainState + JSON metadata."""
+    """Thin wrapper around ``ocp.CheckpointManager`` for TrainState + JSON metadata + checksums."""
 
     def __init__(self, directory: paths.PathLike, *, max_to_keep: int | None = 3, async_save: bool = True,
                  read_only: bool = False):
@@ -83,10 +118,14 @@ class Checkpointer:
         if read_only:  # Orbax warns that a read-only manager saves nothing: expected here
             absl.setLevel(max(level, logging.ERROR))
         try:
+            if not read_only:
+                remove_unfinished_saves(self.directory)
+            # Orbax's clean-up stays off: in a bucket it deletes every folder without a commit marker
             options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
                                                    create=not read_only, read_only=read_only,
-                                                   cleanup_tmp_directories=not read_only)
-            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+                                                   cleanup_tmp_directories=False)
+            self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                                 item_names=("state", "meta", checksums.ITEM))
         finally:
             absl.setLevel(level)
 
@@ -97,10 +136,12 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state: PyTree, meta: dict[str, Any], *, force: bool = True) -> bool:
-        """Start an asynchronous save of ``state`` and ``meta`` at ``step`` (device→host copy is done here)."""
+        """Start an asynchronous save of ``state``, ``meta`` and the arrays' checksums at ``step`` (the device→host
+        copies are made here; the hashing runs beside the writes)."""
         meta = {**meta, "model_format": MODEL_FORMAT}
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state_arrays(state)),
-                                  meta=ocp.args.JsonSave(meta))
+        arrays = state_arrays(state)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta),
+                                  **{checksums.ITEM: checksums.ChecksumSave(checksums.host_shards(arrays))})
         return self.manager.save(step, args=args, force=force)
 
     def wait(self) -> None:
@@ -149,6 +190,10 @@ class Checkpointer:
             if key in arrays and tuple(arrays[key].shape) != tuple(spec.shape):
                 raise CheckpointError(f"checkpoint array {key} has shape {tuple(arrays[key].shape)}, "
                                       f"the run expects {tuple(spec.shape)}")
+        try:
+            checksums.verify(arrays, self.directory / str(step))
+        except checksums.ChecksumMismatch as error:
+            raise CheckpointError(f"checkpoint {self.directory}/{step} is corrupt: {error}") from None
         return arrays
 
     def close(self) -> None:

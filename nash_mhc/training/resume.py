@@ -74,14 +74,14 @@ def set_aside(directory: paths.Path, after: int, step_dirs: list[int]) -> paths.
     if not newer and not later:
         return None
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-after-{after}"
-    target = directory / SET_ASIDE / stamp
+    target = paths.fresh(directory) / SET_ASIDE / stamp
     number = 1
     while target.exists():
         number += 1
         target = directory / SET_ASIDE / f"{stamp}-{number}"
-    target.mkdir(parents=True)
+    target.mkdir(parents=True)  # a bucket has no folders: nothing happens there until an object is written
     for step in newer:
-        (directory / str(step)).rename(target / str(step))
+        paths.move(directory / str(step), target / str(step))
     if later:
         (target / "metrics.jsonl").write_text("\n".join(later) + "\n")
         metrics.write_text("".join(line + "\n" for line in keep))
