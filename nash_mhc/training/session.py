@@ -96,8 +96,10 @@ def _source(path: str) -> tuple[Checkpointer, list[int]]:
 
 def _check_directory(directory: paths.Path) -> None:
     """One-line errors, before any work, for a ``--checkpoint-dir`` that cannot be a directory (a file, or under
-    one) or cannot be created (read-only filesystem, no permission): a missing one is created and removed."""
+    one) or cannot be created (read-only filesystem, no permission): a missing one is created and removed. A
+    bucket's directory needs the bucket to exist (nothing is created in a bucket here)."""
     if paths.is_remote(directory):
+        paths.check_bucket(directory)
         return
     missing = []
     for parent in (directory, *directory.parents):
