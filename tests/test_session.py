@@ -83,8 +83,6 @@ def test_a_resume_with_another_seed_or_batch_needs_allow_data_change(tmp_path):
     mesh = configs.mesh.make()
     state = init_train_state(configs.model, configs.train, mesh, key=jax.random.key(5))
     save_step(tmp_path / "run", 2, configs, state, identity)
-    old = {k: v for k, v in identity.items() if k not in ("seed", "sequences_per_update")}
-    save_step(tmp_path / "old", 2, configs, state, old)
 
     split = configs.train.replace(batch_size=4, grad_accum_steps=2)
     assert identity_differences(identity, run_identity(configs.data, tokenizer, split)) == []
@@ -98,9 +96,38 @@ def test_a_resume_with_another_seed_or_batch_needs_allow_data_change(tmp_path):
     start = session.starting_state(allowed, now, mesh, tmp_path / "run")
     assert start.step == 2 and start.notes == ["warning: resuming with changes allowed by --allow-data-change: "
                                                "seed: 0 then, 1 now; sequences_per_update: 4 then, 8 now"]
-    assert session.starting_state(changed, now, mesh, tmp_path / "old").step == 2
+    old = {k: v for k, v in identity.items() if k not in ("seed", "sequences_per_update")}  # recorded before
+    assert identity_differences(old, now) == []
     init = changed._replace(run=RunConfig(checkpoint_dir=str(tmp_path / "new"), init_from=str(tmp_path / "run")))
-    assert (session.starting_state(init, now, mesh, tmp_path / "new").notes) == []
+    started = session.starting_state(init, now, mesh, tmp_path / "new")
+    assert (started.step, started.resume, started.notes) == (0, False, [])
+
+
+@pytest.mark.slow  # multi-second (three restores, one failing); the subprocess fallback test covers the skip
+def test_a_skipped_checkpoint_is_named_with_its_read_error_and_where_it_goes(tmp_path):
+    """A step that does not restore is skipped for the next: the warning gives TensorStore's reason (Orbax's own
+    message had ``<bound method ...>`` where the details belong) and says where the step goes: set aside with the
+    later steps in the run's own directory (as set_aside then does), left in place in a --resume-from one."""
+    configs, tokenizer, *_ = session.open_data(tiny_configs(tmp_path / "run"))
+    identity = run_identity(configs.data, tokenizer, configs.train)
+    mesh = configs.mesh.make()
+    state = init_train_state(configs.model, configs.train, mesh, key=jax.random.key(5))
+    for step in (2, 4):
+        save_step(tmp_path / "run", step, configs, state, identity)
+    largest = max((p for p in (tmp_path / "run" / "4" / "state").rglob("*") if p.is_file()),
+                  key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:10])
+
+    elsewhere = configs._replace(run=RunConfig(checkpoint_dir=str(tmp_path / "new"), resume_from=str(tmp_path / "run")))
+    start = session.starting_state(elsewhere, identity, mesh, tmp_path / "new")
+    assert start.step == 2 and start.notes[0].endswith("; not deleted: it is left in place"), start.notes
+    start = session.starting_state(configs, identity, mesh, tmp_path / "run")
+    (warning,) = start.notes
+    assert warning.startswith("warning: skipped checkpoint step 4 (cannot restore checkpoint ") and start.step == 2
+    assert "<bound method" not in warning and "OUT_OF_RANGE: Error reading" in warning, warning
+    assert warning.endswith("; not deleted: it is set aside with the steps after step 2"), warning
+    session.set_aside_later_steps(session.paths.as_path(tmp_path / "run"), start)
+    assert [p.name for p in (tmp_path / "run").glob("set_aside/*/*")] == ["4"]
 
 
 def test_write_resolved_config_records_every_setting(tmp_path):
