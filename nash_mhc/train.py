@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         hardware.initialize_distributed()
-        wandb_log.check_available(wandb_config)  # the package, and a key unless offline
+        wandb_log.check_available(wandb_config, run_configs.run.checkpoint_dir)  # package, run id, key
         cache.use()  # a local directory or a bucket (gs://...)
         run_session = session.prepare(run_configs)
     except (ValueError, OSError) as error:  # bad input, or a filesystem that refuses it

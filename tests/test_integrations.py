@@ -130,6 +130,23 @@ def test_wandb_errors_are_one_line_exit_2(tmp_path, capsys, monkeypatch):
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
+def test_a_bad_wandb_project_or_run_id_file_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """W&B refused 'a/b:c' only once config.json, metrics.jsonl, the events file and wandb_run_id were written,
+    and an empty wandb_run_id with "Run ID cannot be empty", naming no file."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    base = [*COMMON, "--dataset", "synthetic", "--total-steps", "2", "--compile-cache-dir", "none"]
+    assert train_main([*base, "--wandb-project", "a/b:c", "--checkpoint-dir", str(tmp_path / "a")]) == 2
+    assert "--wandb-project 'a/b:c' is not a W&B project name (1 to 128 characters, none of / \\ # ? % :)" in \
+        one_line_error(capsys)
+    assert not (tmp_path / "a").exists()
+    for held, message in [("\n", "is empty: write the id of the W&B run"), ("a/b", "holds 'a/b', not a W&B run id")]:
+        (tmp_path / "b").mkdir(exist_ok=True)
+        (tmp_path / "b" / "wandb_run_id").write_text(held)
+        assert train_main([*base, "--wandb-project", "p", "--checkpoint-dir", str(tmp_path / "b")]) == 2
+        assert f"error: {tmp_path / 'b' / 'wandb_run_id'} {message}" in one_line_error(capsys)
+        assert [p.name for p in (tmp_path / "b").iterdir()] == ["wandb_run_id"]
+
+
 # ------------------------------------------------------------------------------------------- profiler
 @pytest.mark.slow
 def test_profile_steps_leave_a_trace_under_the_checkpoint_dir(run):
