@@ -187,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"W&B: {error}")
     if sink is not None:
         run_session.logger.add_sink(sink)
-    with profiling.Profiler(profile, run_configs.run.checkpoint_dir, run_session.start_step) as profiler:
+    with profiling.Profiler(profile, run_configs.run.checkpoint_dir, run_session.start_step,
+                            run_configs.train.total_steps) as profiler:
+        if profiler.note is not None:
+            run_session.summary.append(profiler.note)
         return loop.train(run_session, profiler.wrap(train_step))
 
 

@@ -161,6 +161,43 @@ def test_bad_profile_steps_are_one_line_exit_2(tmp_path, capsys, value, message)
     assert message in one_line_error(capsys)
 
 
+def test_a_profile_window_outside_the_runs_steps_is_a_warning_naming_both(tmp_path):
+    """--profile-steps 10:20 with --total-steps 5, or 3:5 in a run resumed from step 4, exited 0 with no trace
+    and no word: each is a warning at the start of the run naming the window and the run's steps."""
+    from nash_mhc.training.profiling import ProfileConfig, Profiler
+
+    def profiler(window: str, start: int, total: int) -> Profiler:
+        return Profiler(ProfileConfig(window), tmp_path, start, total)
+
+    assert (profiler("3:5", 0, 8).window, profiler("3:5", 0, 8).note) == ((3, 5), None)
+    assert profiler("3:5", 4, 8).window is None and profiler("3:5", 4, 8).note == (
+        "warning: --profile-steps 3:5 starts before this run's steps 5 to 8; no trace is written")
+    assert profiler("1:2", 4, 8).note == ("warning: --profile-steps 1:2 lies outside this run's steps 5 to 8; no "
+                                          "trace is written")
+    assert (profiler("6:10", 4, 8).window, profiler("6:10", 4, 8).note) == (
+        (6, 8), "warning: --profile-steps 6:10 ends after this run's steps 5 to 8; the trace stops at step 8")
+
+
+@pytest.mark.slow  # the run's set-up (peak probe, data, state): multi-second
+def test_the_profile_window_warning_starts_the_runs_log(tmp_path, monkeypatch):
+    from nash_mhc.training import loop
+
+    summaries = []
+
+    def train(session, step_fn) -> int:  # the loop's start: its summary, then nothing trained
+        summaries.append(session.summary)
+        session.logger.close()
+        session.checkpointer.close()
+        session.lock.release()
+        return 0
+
+    monkeypatch.setattr(loop, "train", train)
+    assert train_main([*COMMON, "--dataset", "synthetic", "--total-steps", "5", "--profile-steps", "10:20",
+                       "--compile-cache-dir", "none", "--checkpoint-dir", str(tmp_path / "run")]) == 0
+    assert summaries[0][-1] == ("warning: --profile-steps 10:20 lies outside this run's steps 1 to 5; no trace is "
+                                "written")
+
+
 # ----------------------------------------------------------------------------------------- fine-tuning
 def test_prompt_response_pairs_pack_with_the_exact_mask():
     """Each example is prompt + response + EOS, masked 1 on the response and EOS only; windows keep the mask."""
