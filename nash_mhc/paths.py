@@ -34,6 +34,8 @@ PathLike = str | os.PathLike
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 REMOTE_SCHEMES = ("gs", "s3", "az", "hf")
+BUCKET_SCHEMES = ("gs", "s3", "az")  # <scheme>://<bucket>/<object path>
+_GCS_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")  # GCS's naming rules, but for the dotted parts
 
 
 def scheme(path: PathLike) -> str | None:
@@ -61,6 +63,12 @@ def as_path(path: PathLike) -> epath.Path:
     if kind not in REMOTE_SCHEMES:
         raise ValueError(f"unsupported path scheme {kind}:// in {text} (use a local path or one of "
                          f"{', '.join(s + '://' for s in REMOTE_SCHEMES)})")
+    name = bucket(text)
+    if kind in BUCKET_SCHEMES and not name:
+        raise ValueError(f"{text}: no bucket name (write {kind}://BUCKET/path)")
+    if kind == "gs" and not _GCS_BUCKET.fullmatch(name):
+        raise ValueError(f"{text}: {name!r} is not a GCS bucket name (lowercase letters, digits, '-', '_' and '.', "
+                         "3 to 63 of them, starting and ending with a letter or digit)")
     missing = missing_packages(kind)
     if missing:
         how = ("pip install -e \".[gcs]\"; the tpu and cuda extras include it" if kind == "gs"
@@ -95,6 +103,31 @@ def move(source: epath.Path, target: epath.Path) -> None:
     fs = _bucket_fs(source)
     fs.mv(os.fspath(source), os.fspath(target), recursive=True)
     fs.invalidate_cache()
+
+
+def bucket(path: PathLike) -> str:
+    """The bucket of a bucket URI (``"b"`` for ``gs://b/x``; ``""`` for ``gs://``), or ``""`` for other paths."""
+    text = os.fspath(path)
+    kind = scheme(text)
+    return text[len(kind) + 3:].split("/", 1)[0] if kind in BUCKET_SCHEMES else ""
+
+
+def check_bucket(path: PathLike) -> None:
+    """A one-line ValueError, writing nothing, when the bucket of bucket URI ``path`` does not exist or cannot be
+    listed (other paths pass). Listing, not the bucket's metadata: a role that may use the objects but not read
+    the bucket's metadata (Storage Object Admin) still passes, and nothing creates a misspelt bucket."""
+    kind, name = scheme(path), bucket(path)
+    if not name:
+        return
+    try:
+        next(iter(epath.Path(f"{kind}://{name}").iterdir()), None)
+    except FileNotFoundError:
+        raise ValueError(f"{os.fspath(path)}: bucket {name} does not exist (or these credentials cannot see "
+                         "it)") from None
+    except Exception as error:  # noqa: BLE001 - permissions, network: each client has its own exceptions
+        reason = (str(error).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{os.fspath(path)}: cannot reach bucket {name} ({type(error).__name__}: "
+                         f"{reason})") from None
 
 
 def missing_packages(kind: str) -> list[str]:

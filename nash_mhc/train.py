@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         hardware.initialize_distributed()
-        wandb_log.check_available(wandb_config)  # the package, and a key unless offline
+        wandb_log.check_available(wandb_config, run_configs.run.checkpoint_dir)  # package, run id, key
         cache.use()  # a local directory or a bucket (gs://...)
         run_session = session.prepare(run_configs)
     except (ValueError, OSError) as error:  # bad input, or a filesystem that refuses it
@@ -187,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"W&B: {error}")
     if sink is not None:
         run_session.logger.add_sink(sink)
-    with profiling.Profiler(profile, run_configs.run.checkpoint_dir, run_session.start_step) as profiler:
+    with profiling.Profiler(profile, run_configs.run.checkpoint_dir, run_session.start_step,
+                            run_configs.train.total_steps) as profiler:
+        if profiler.note is not None:
+            run_session.summary.append(profiler.note)
         return loop.train(run_session, profiler.wrap(train_step))
 
 

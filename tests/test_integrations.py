@@ -130,6 +130,23 @@ def test_wandb_errors_are_one_line_exit_2(tmp_path, capsys, monkeypatch):
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
+def test_a_bad_wandb_project_or_run_id_file_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """W&B refused 'a/b:c' only once config.json, metrics.jsonl, the events file and wandb_run_id were written,
+    and an empty wandb_run_id with "Run ID cannot be empty", naming no file."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    base = [*COMMON, "--dataset", "synthetic", "--total-steps", "2", "--compile-cache-dir", "none"]
+    assert train_main([*base, "--wandb-project", "a/b:c", "--checkpoint-dir", str(tmp_path / "a")]) == 2
+    assert "--wandb-project 'a/b:c' is not a W&B project name (1 to 128 characters, none of / \\ # ? % :)" in \
+        one_line_error(capsys)
+    assert not (tmp_path / "a").exists()
+    for held, message in [("\n", "is empty: write the id of the W&B run"), ("a/b", "holds 'a/b', not a W&B run id")]:
+        (tmp_path / "b").mkdir(exist_ok=True)
+        (tmp_path / "b" / "wandb_run_id").write_text(held)
+        assert train_main([*base, "--wandb-project", "p", "--checkpoint-dir", str(tmp_path / "b")]) == 2
+        assert f"error: {tmp_path / 'b' / 'wandb_run_id'} {message}" in one_line_error(capsys)
+        assert [p.name for p in (tmp_path / "b").iterdir()] == ["wandb_run_id"]
+
+
 # ------------------------------------------------------------------------------------------- profiler
 @pytest.mark.slow
 def test_profile_steps_leave_a_trace_under_the_checkpoint_dir(run):
@@ -142,6 +159,43 @@ def test_profile_steps_leave_a_trace_under_the_checkpoint_dir(run):
 def test_bad_profile_steps_are_one_line_exit_2(tmp_path, capsys, value, message):
     assert train_main([*COMMON, "--profile-steps", value, "--checkpoint-dir", str(tmp_path / "x")]) == 2
     assert message in one_line_error(capsys)
+
+
+def test_a_profile_window_outside_the_runs_steps_is_a_warning_naming_both(tmp_path):
+    """--profile-steps 10:20 with --total-steps 5, or 3:5 in a run resumed from step 4, exited 0 with no trace
+    and no word: each is a warning at the start of the run naming the window and the run's steps."""
+    from nash_mhc.training.profiling import ProfileConfig, Profiler
+
+    def profiler(window: str, start: int, total: int) -> Profiler:
+        return Profiler(ProfileConfig(window), tmp_path, start, total)
+
+    assert (profiler("3:5", 0, 8).window, profiler("3:5", 0, 8).note) == ((3, 5), None)
+    assert profiler("3:5", 4, 8).window is None and profiler("3:5", 4, 8).note == (
+        "warning: --profile-steps 3:5 starts before this run's steps 5 to 8; no trace is written")
+    assert profiler("1:2", 4, 8).note == ("warning: --profile-steps 1:2 lies outside this run's steps 5 to 8; no "
+                                          "trace is written")
+    assert (profiler("6:10", 4, 8).window, profiler("6:10", 4, 8).note) == (
+        (6, 8), "warning: --profile-steps 6:10 ends after this run's steps 5 to 8; the trace stops at step 8")
+
+
+@pytest.mark.slow  # the run's set-up (peak probe, data, state): multi-second
+def test_the_profile_window_warning_starts_the_runs_log(tmp_path, monkeypatch):
+    from nash_mhc.training import loop
+
+    summaries = []
+
+    def train(session, step_fn) -> int:  # the loop's start: its summary, then nothing trained
+        summaries.append(session.summary)
+        session.logger.close()
+        session.checkpointer.close()
+        session.lock.release()
+        return 0
+
+    monkeypatch.setattr(loop, "train", train)
+    assert train_main([*COMMON, "--dataset", "synthetic", "--total-steps", "5", "--profile-steps", "10:20",
+                       "--compile-cache-dir", "none", "--checkpoint-dir", str(tmp_path / "run")]) == 0
+    assert summaries[0][-1] == ("warning: --profile-steps 10:20 lies outside this run's steps 1 to 5; no trace is "
+                                "written")
 
 
 # ----------------------------------------------------------------------------------------- fine-tuning

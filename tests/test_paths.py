@@ -67,6 +67,26 @@ def test_unknown_scheme_and_missing_bucket_packages_are_one_line_errors(monkeypa
     assert "\n" not in str(error.value)
 
 
+def test_a_bucket_uri_without_a_bucket_or_with_a_missing_one_is_a_one_line_error_before_any_write(gcs, capsys):
+    """``gs://`` once failed with gcsfs's HttpError traceback (exit 1) and a missing bucket with the URL of the
+    config.json upload it refused; both, and a name GCS refuses, are one line naming the bucket, exit 2."""
+    from nash_mhc.train import main
+
+    with pytest.raises(ValueError, match=r"^s3:///x: no bucket name \(write s3://BUCKET/path\)$"):
+        paths.as_path("s3:///x")
+    paths.check_bucket("gs://bucket/new-run")  # an existing (empty) bucket passes
+    for directory, message in [("gs://", "gs://: no bucket name (write gs://BUCKET/path)"),
+                               ("gs://no-such-bucket/run", "gs://no-such-bucket/run: bucket no-such-bucket does "
+                                                           "not exist"),
+                               ("gs://Bad_Bucket/run", "gs://Bad_Bucket/run: 'Bad_Bucket' is not a GCS bucket name")]:
+        code = main(["--model", "tiny", "--dataset", "synthetic", "--no-progress", "--compile-cache-dir", "none",
+                     "--checkpoint-dir", directory])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith(f"error: {message}"), err
+    gcs.fs.invalidate_cache()
+    assert not gcs.fs.exists("no-such-bucket") and objects(gcs, "") == []
+
+
 def test_orbax_checkpoints_round_trip_through_gs(gcs):
     mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     sharded = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("data")))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -12,8 +13,9 @@ from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig
 from nash_mhc.sharding import MeshConfig
 from nash_mhc.training import session
+from nash_mhc.training.checkpoint import Checkpointer
 from nash_mhc.training.config import RunConfig, TrainConfig
-from nash_mhc.training.resume import run_identity
+from nash_mhc.training.resume import identity_differences, run_identity
 from nash_mhc.training.state import init_train_state
 
 
@@ -49,15 +51,8 @@ def test_starting_state_fresh_then_from_the_directory_then_init_from(tmp_path):
     start = session.starting_state(configs, identity, mesh, tmp_path / "run")
     assert (start.step, start.resume, start.own_steps, start.notes) == (0, False, [], [])
 
-    from nash_mhc.training.checkpoint import Checkpointer
-
     state = init_train_state(configs.model, configs.train, mesh, key=jax.random.key(5))
-    meta = {"step": 2, "model_config": configs.model.to_dict(), "train_config": configs.train.to_dict(),
-            "run": identity}
-    checkpointer = Checkpointer(tmp_path / "run")
-    checkpointer.save(2, state, meta)
-    checkpointer.wait()
-    checkpointer.close()
+    save_step(tmp_path / "run", 2, configs, state, identity)
     resumed = session.starting_state(configs, identity, mesh, tmp_path / "run")
     assert (resumed.step, resumed.resume, resumed.own_steps) == (2, True, [2])
     np.testing.assert_array_equal(resumed.state.model.embedding, state.model.embedding)
@@ -67,6 +62,72 @@ def test_starting_state_fresh_then_from_the_directory_then_init_from(tmp_path):
     assert (started.step, started.resume) == (0, False)
     np.testing.assert_array_equal(started.state.model.embedding, state.model.embedding)
     assert int(started.state.step) == 0
+
+
+def save_step(directory, step, configs, state, identity) -> None:
+    """A checkpoint of ``state`` at ``step`` whose meta records ``identity`` as the run's."""
+    checkpointer = Checkpointer(directory)
+    checkpointer.save(step, state, {"step": step, "model_config": configs.model.to_dict(),
+                                    "train_config": configs.train.to_dict(), "run": identity})
+    checkpointer.wait()
+    checkpointer.close()
+
+
+def test_a_resume_with_another_seed_or_batch_needs_allow_data_change(tmp_path):
+    """Step s reads the global batch at s x sequences-per-update of the seed's order: another seed or batch
+    re-reads or skips data, so the resume is refused naming both (before and after) unless --allow-data-change.
+    Another split into microbatches moves nothing; a checkpoint that did not record them still resumes, and
+    --init-from (weights only) does not look at them."""
+    configs, tokenizer, *_ = session.open_data(tiny_configs(tmp_path / "run"))
+    identity = run_identity(configs.data, tokenizer, configs.train)
+    mesh = configs.mesh.make()
+    state = init_train_state(configs.model, configs.train, mesh, key=jax.random.key(5))
+    save_step(tmp_path / "run", 2, configs, state, identity)
+
+    split = configs.train.replace(batch_size=4, grad_accum_steps=2)
+    assert identity_differences(identity, run_identity(configs.data, tokenizer, split)) == []
+    changed = configs._replace(train=configs.train.replace(seed=1, batch_size=8, grad_accum_steps=2))
+    now = run_identity(changed.data, tokenizer, changed.train)
+    with pytest.raises(ValueError, match=r"\(seed: 0 then, 1 now; sequences_per_update: 4 then, 8 now\); pass "
+                                         "--allow-data-change"):
+        session.starting_state(changed, now, mesh, tmp_path / "run")
+
+    allowed = changed._replace(run=dataclasses.replace(changed.run, allow_data_change=True))
+    start = session.starting_state(allowed, now, mesh, tmp_path / "run")
+    assert start.step == 2 and start.notes == ["warning: resuming with changes allowed by --allow-data-change: "
+                                               "seed: 0 then, 1 now; sequences_per_update: 4 then, 8 now"]
+    old = {k: v for k, v in identity.items() if k not in ("seed", "sequences_per_update")}  # recorded before
+    assert identity_differences(old, now) == []
+    init = changed._replace(run=RunConfig(checkpoint_dir=str(tmp_path / "new"), init_from=str(tmp_path / "run")))
+    started = session.starting_state(init, now, mesh, tmp_path / "new")
+    assert (started.step, started.resume, started.notes) == (0, False, [])
+
+
+@pytest.mark.slow  # multi-second (three restores, one failing); the subprocess fallback test covers the skip
+def test_a_skipped_checkpoint_is_named_with_its_read_error_and_where_it_goes(tmp_path):
+    """A step that does not restore is skipped for the next: the warning gives TensorStore's reason (Orbax's own
+    message had ``<bound method ...>`` where the details belong) and says where the step goes: set aside with the
+    later steps in the run's own directory (as set_aside then does), left in place in a --resume-from one."""
+    configs, tokenizer, *_ = session.open_data(tiny_configs(tmp_path / "run"))
+    identity = run_identity(configs.data, tokenizer, configs.train)
+    mesh = configs.mesh.make()
+    state = init_train_state(configs.model, configs.train, mesh, key=jax.random.key(5))
+    for step in (2, 4):
+        save_step(tmp_path / "run", step, configs, state, identity)
+    largest = max((p for p in (tmp_path / "run" / "4" / "state").rglob("*") if p.is_file()),
+                  key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:10])
+
+    elsewhere = configs._replace(run=RunConfig(checkpoint_dir=str(tmp_path / "new"), resume_from=str(tmp_path / "run")))
+    start = session.starting_state(elsewhere, identity, mesh, tmp_path / "new")
+    assert start.step == 2 and start.notes[0].endswith("; not deleted: it is left in place"), start.notes
+    start = session.starting_state(configs, identity, mesh, tmp_path / "run")
+    (warning,) = start.notes
+    assert warning.startswith("warning: skipped checkpoint step 4 (cannot restore checkpoint ") and start.step == 2
+    assert "<bound method" not in warning and "OUT_OF_RANGE: Error reading" in warning, warning
+    assert warning.endswith("; not deleted: it is set aside with the steps after step 2"), warning
+    session.set_aside_later_steps(session.paths.as_path(tmp_path / "run"), start)
+    assert [p.name for p in (tmp_path / "run").glob("set_aside/*/*")] == ["4"]
 
 
 def test_write_resolved_config_records_every_setting(tmp_path):

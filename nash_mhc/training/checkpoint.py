@@ -202,8 +202,12 @@ class Checkpointer:
 
 def _read_failure(what: str, error: Exception) -> CheckpointError:
     """The one-line error of a failed checkpoint read (``what``: the error's name and first line); from here on
-    asyncio's reports of that read's abandoned tasks are dropped (:func:`_quiet_abandoned_tasks`)."""
+    asyncio's reports of that read's abandoned tasks are dropped (:func:`_quiet_abandoned_tasks`). Orbax's
+    wrapper of a TensorStore read error prints a method's repr (``<bound method ...spec of TensorStore(``) where
+    the details belong: the error it wraps says what failed."""
     _quiet_abandoned_tasks()
+    while "<bound method" in str(error) and (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
     return CheckpointError(f"{what}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
 

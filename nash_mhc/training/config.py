@@ -101,7 +101,8 @@ class RunConfig:
     max_checkpoints: int = setting(3, "checkpoints to keep", check=POSITIVE_INT)
     resume_from: str | None = setting(None, "checkpoint directory (or step directory) to resume from")
     init_from: str | None = setting(None, "start from another run's weights with a fresh optimizer")
-    allow_data_change: bool = setting(False, "resume although the tokenizer, dataset or learning-rate schedule "
+    allow_data_change: bool = setting(False, "resume although the tokenizer, dataset, learning-rate schedule, "
+                                             "--seed or sequences per update (--batch-size x grad-accum-steps) "
                                              "differ from the checkpoint's (each difference is printed)")
     log_interval: int = setting(10, "steps between metric log lines", check=POSITIVE_INT)
     eval_interval: int = setting(0, "steps between evaluations (0: never)", check=NON_NEGATIVE_INT)

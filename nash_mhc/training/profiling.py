@@ -4,8 +4,10 @@ The trace starts just before step A is dispatched and stops once step B has fini
 written under ``<checkpoint-dir>/profile/`` (``plugins/profile/<time>/<host>.xplane.pb``, the layout
 TensorBoard's profile plugin and XProf read: ``tensorboard --logdir <checkpoint-dir>/profile`` with
 ``tensorboard-plugin-profile`` installed, or ``xprof --logdir <checkpoint-dir>/profile``). A bucket directory
-gets the trace uploaded when it stops. Steps are counted as the log counts them (the first step is 1); the
-first step of a run includes compilation, so start at 2 or later to see steady-state steps.
+gets the trace uploaded when it stops. Steps are counted as the log counts them (the first step is 1; a resumed
+run's first step is its checkpoint's + 1); the first step of a run includes compilation, so start at 2 or later
+to see steady-state steps. A window that starts before the run's first step or after its last traces nothing,
+and one that ends after the last stops there: either says so in a warning at the start of the run.
 """
 
 from __future__ import annotations
@@ -53,13 +55,33 @@ class ProfileConfig:
         return None if self.profile_steps is None else _parse(self.profile_steps)
 
 
+def run_window(window: tuple[int, int], start_step: int, total_steps: int) -> tuple[tuple[int, int] | None,
+                                                                                   str | None]:
+    """(the steps of ``window`` to trace in a run of steps ``start_step`` + 1 to ``total_steps``, or None;
+    a warning naming the window and the run's steps when that is not the whole window, else None)."""
+    first, last = window
+    if start_step >= total_steps:  # the run has no steps (the loop says so)
+        return None, None
+    where = f"--profile-steps {first}:{last} {{}} this run's steps {start_step + 1} to {total_steps}"
+    if first > total_steps or last <= start_step:
+        return None, f"warning: {where.format('lies outside')}; no trace is written"
+    if first <= start_step:
+        return None, f"warning: {where.format('starts before')}; no trace is written"
+    if last > total_steps:
+        return (first, total_steps), f"warning: {where.format('ends after')}; the trace stops at step {total_steps}"
+    return window, None
+
+
 class Profiler:
-    """Wraps a train step function; counts the steps from ``start_step`` and traces steps A..B.
+    """Wraps a train step function; counts the steps from ``start_step`` and traces steps A..B (those of them up
+    to ``total_steps``; ``note``: the warning of :func:`run_window`, or None).
 
     Use as a context manager around the loop, so a run that ends inside the window still closes the trace."""
 
-    def __init__(self, config: ProfileConfig, directory: paths.PathLike, start_step: int) -> None:
-        self.window = config.steps if jax.process_index() == 0 else None
+    def __init__(self, config: ProfileConfig, directory: paths.PathLike, start_step: int, total_steps: int) -> None:
+        self.window, self.note = None, None
+        if config.steps is not None and jax.process_index() == 0:
+            self.window, self.note = run_window(config.steps, start_step, total_steps)
         self.target = paths.as_path(directory) / PROFILE_DIR
         self.step = start_step
         self.local: str | None = None  # where the running trace is written

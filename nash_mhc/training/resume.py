@@ -3,7 +3,9 @@
 - :func:`restore_newest` tries the candidate steps newest first and falls back past any that cannot be read or
   restored, saying which steps it skipped and why (a corrupt checkpoint is never deleted).
 - :func:`run_identity` is what a checkpoint records of the run besides the model: the tokenizer's content hash,
-  the dataset, and the learning-rate schedule; :func:`identity_differences` compares two of them.
+  the dataset, the learning-rate schedule, and what places the batches (the seed and the sequences per update:
+  step ``s`` reads the global batch at ``s x sequences_per_update`` of the seed's order);
+  :func:`identity_differences` compares two of them.
 - :func:`set_aside` moves the step directories and ``metrics.jsonl`` lines *after* the step a run resumes
   from into ``<dir>/set_aside/<time>/``, so continuing from an older step neither collides with nor silently
   overwrites them, and ``metrics.jsonl`` never holds two lines for one step of one run.
@@ -21,6 +23,9 @@ from nash_mhc import paths
 from nash_mhc.training.checkpoint import CheckpointError
 
 SCHEDULE_FIELDS = ("learning_rate", "min_lr_ratio", "warmup_steps", "lr_schedule_steps")
+# Where each step's batch lies in the data: the seed's window order and the global batch (all microbatches, all
+# hosts; the accumulation steps and the processes only split it). seq_len is a model field, refused on its own.
+BATCH_FIELDS = {"seed": "seed", "sequences_per_update": "batch_size"}
 SET_ASIDE = "set_aside"
 
 
@@ -32,14 +37,16 @@ def absolute_spec(spec: str) -> str:
 
 
 def run_identity(data: Any, tokenizer: Any, train: Any) -> dict[str, Any]:
-    """The data and schedule a run trains on (``data``: DataConfig, ``train``: TrainConfig)."""
+    """The data, batch order and schedule a run trains on (``data``: DataConfig, ``train``: TrainConfig)."""
     return {"tokenizer": tokenizer.fingerprint, "dataset": absolute_spec(data.dataset),
             "dataset_name": data.dataset_name, "split": data.dataset_split, **data.fields_record(),
+            **{name: getattr(train, field) for name, field in BATCH_FIELDS.items()},
             **{name: getattr(train, name) for name in SCHEDULE_FIELDS}}
 
 
 def identity_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """``"name: <saved> then, <now> now"`` for each recorded field whose value changed."""
+    """``"name: <saved> then, <now> now"`` for each field ``saved`` records whose value changed (a checkpoint
+    written before a field was recorded is not compared on it)."""
     return [f"{k}: {saved[k]!r} then, {now[k]!r} now" for k in now if k in saved and saved[k] != now[k]]
 
 

@@ -96,8 +96,10 @@ def _source(path: str) -> tuple[Checkpointer, list[int]]:
 
 def _check_directory(directory: paths.Path) -> None:
     """One-line errors, before any work, for a ``--checkpoint-dir`` that cannot be a directory (a file, or under
-    one) or cannot be created (read-only filesystem, no permission): a missing one is created and removed."""
+    one) or cannot be created (read-only filesystem, no permission): a missing one is created and removed. A
+    bucket's directory needs the bucket to exist (nothing is created in a bucket here)."""
     if paths.is_remote(directory):
+        paths.check_bucket(directory)
         return
     missing = []
     for parent in (directory, *directory.parents):
@@ -133,9 +135,10 @@ def _lock(directory: paths.Path) -> RunLock | None:
 
 
 def _restore(configs: Configs, identity: dict[str, Any], state: TrainState, source: Checkpointer,
-             steps: list[int], resume: bool) -> tuple[int, dict[str, Any], TrainState, list[str]]:
+             steps: list[int], resume: bool, own: bool) -> tuple[int, dict[str, Any], TrainState, list[str]]:
     """Restore the newest of ``steps`` that reads, fits this run's model (else CheckpointError at once) and, when
-    resuming, its data and schedule (unless ``--allow-data-change``); returns (step, meta, state, notes)."""
+    resuming, its data and schedule (unless ``--allow-data-change``); returns (step, meta, state, notes).
+    ``own``: ``source`` is the run's own directory, whose steps after the one restored are set aside."""
     model_config, notes = configs.model, []
 
     def attempt(step: int) -> tuple[dict[str, Any], TrainState]:
@@ -161,7 +164,9 @@ def _restore(configs: Configs, identity: dict[str, Any], state: TrainState, sour
 
     step, (meta, restored), skipped = restore_newest(steps, attempt, str(source.directory))
     if skipped:
-        notes.insert(0, f"warning: skipped checkpoint {'; '.join(skipped)}; it is left in place")
+        kept = f"set aside with the steps after step {step}" if own else "left in place"
+        notes.insert(0, f"warning: skipped checkpoint {'; '.join(skipped)}; not deleted: "
+                        f"{'they are' if len(skipped) > 1 else 'it is'} {kept}")
     return step, meta, restored, notes
 
 
@@ -215,7 +220,8 @@ def starting_state(configs: Configs, identity: dict[str, Any], mesh: Mesh, direc
         state = init_train_state(configs.model, configs.train, mesh, key=jax.random.key(configs.train.seed))
         if source is None:
             return Start(state, 0, resume, own_steps, [])
-        step, meta, restored, notes = _restore(configs, identity, state, source, steps, resume)
+        own_source = os.fspath(source.directory).rstrip("/") == os.fspath(directory).rstrip("/")
+        step, meta, restored, notes = _restore(configs, identity, state, source, steps, resume, own_source)
     finally:
         if source is not None:
             source.close()

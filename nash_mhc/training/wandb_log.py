@@ -22,6 +22,8 @@ from nash_mhc.settings import check_settings, setting
 
 ID_FILE = "wandb_run_id"
 OFFLINE_MODES = ("offline", "dryrun", "disabled")
+PROJECT_CHARACTERS = "/\\#?%:"  # W&B refuses project names with any of these (and over 128 characters)
+RUN_ID_CHARACTERS = ":;,#?/'"  # ... and run ids with any of these
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,16 +41,28 @@ class WandbConfig:
         given = [f for f in ("wandb_entity", "wandb_run_name", "wandb_tags") if getattr(self, f) is not None]
         if given and self.wandb_project is None:
             raise ValueError(f"--{given[0].replace('_', '-')} needs --wandb-project")
+        project = self.wandb_project
+        if project is not None and (not project.strip() or len(project) > 128
+                                    or set(project) & set(PROJECT_CHARACTERS)):
+            raise ValueError(f"--wandb-project {project!r} is not a W&B project name (1 to 128 characters, none of "
+                             f"{' '.join(PROJECT_CHARACTERS)})")
 
     @property
     def tags(self) -> list[str]:
         return [t.strip() for t in (self.wandb_tags or "").split(",") if t.strip()]
 
 
-def check_available(config: WandbConfig) -> None:
-    """One-line ``ValueError`` before anything starts: the package is missing, or (online) no API key."""
+def check_available(config: WandbConfig, directory: paths.PathLike) -> None:
+    """One-line ``ValueError`` before anything starts: the package is missing, ``directory``'s
+    ``wandb_run_id`` holds no usable run id, or (online) no API key."""
     if config.wandb_project is None or jax.process_index() != 0:
         return
+    id_file = paths.as_path(directory) / ID_FILE
+    run_id = id_file.read_text().strip() if id_file.exists() else None
+    if run_id is not None and (not run_id or set(run_id) & set(RUN_ID_CHARACTERS) or len(run_id.split()) > 1):
+        held = f"holds {run_id!r}, not a W&B run id" if run_id else "is empty"
+        raise ValueError(f"{id_file} {held}: write the id of the W&B run this directory logs to into it, or "
+                         "delete it to start a new W&B run")
     try:
         import wandb
     except ImportError:
