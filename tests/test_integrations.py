@@ -260,7 +260,9 @@ def test_prompt_fields_errors_are_one_line_exit_2(tmp_path, capsys):
                           (["--dataset", "synthetic", "--prompt-field", "p", "--response-field", "r"],
                            "has no prompt/response records"),
                           (["--dataset", str(TASKS), "--prompt-field", "question", "--response-field", "response"],
-                           "field 'question' not found")):
+                           "field 'question' not found"),
+                          (["--dataset", str(TASKS), "--prompt-field", "prompt", "--response-field", "prompt"],
+                           "--prompt-field and --response-field must name two different fields, got 'prompt'")):
         assert train_main([*COMMON, *argv, "--checkpoint-dir", str(tmp_path / "x")]) == 2
         assert message in one_line_error(capsys)
 

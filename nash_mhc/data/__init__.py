@@ -60,6 +60,9 @@ class DataConfig:
         check_settings(self)
         if (self.prompt_field is None) != (self.response_field is None):
             raise ValueError("give both --prompt-field and --response-field (or neither)")
+        if self.prompt_field is not None and self.prompt_field == self.response_field:
+            raise ValueError(f"--prompt-field and --response-field must name two different fields, got "
+                             f"{self.prompt_field!r} for both")
 
     @property
     def fields(self) -> str | tuple[str, str]:
