@@ -120,3 +120,19 @@ def test_the_directory_probe_leaves_another_runs_directory_in_a_shared_parent(tm
     session._check_directory(session.paths.as_path(tmp_path / "runs" / "mine"))
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["other"]
     assert (tmp_path / "runs" / "other" / "metrics.jsonl").read_text() == "{}\n"
+
+
+@pytest.mark.parametrize("flag", ["init_from", "resume_from"])
+def test_an_export_folder_as_a_checkpoint_is_a_one_line_error_that_says_so(tmp_path, flag):
+    """model.safetensors + config.json (python -m nash_mhc.export) hold weights alone: --init-from/--resume-from
+    say it is an export and what to give instead, not 'no complete checkpoint found'."""
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"weights")
+    (export / "config.json").write_text('{"format": "nash_mhc-export"}')
+    configs = tiny_configs(tmp_path / "run", **{flag: str(export)})
+    with pytest.raises(ValueError) as excinfo:
+        session.starting_state(configs, {}, configs.mesh.make(), tmp_path / "run")
+    message = str(excinfo.value)
+    assert "\n" not in message and "is an exported model" in message and "not a training checkpoint" in message
+    assert message.startswith(f"--{flag.replace('_', '-')} {export}") and "run directory" in message

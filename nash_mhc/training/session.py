@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import Mesh
 
-from nash_mhc import hardware, paths
+from nash_mhc import exported, hardware, paths
 from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig, PackedDataset, Tokenizer, open_windows
 from nash_mhc.model import describe
@@ -82,9 +82,13 @@ class Session:
                          "max_stream_tokens": data.max_stream_tokens, "samples_seen": step * train.batch_size}}
 
 
-def _source(path: str) -> tuple[Checkpointer, list[int]]:
-    """The read-only checkpointer and candidate steps behind ``--resume-from``/``--init-from``: the one step a
-    step directory names, or every complete step of a run directory (newest first is tried first)."""
+def _source(path: str, flag: str) -> tuple[Checkpointer, list[int]]:
+    """The read-only checkpointer and candidate steps behind ``--resume-from``/``--init-from`` (``flag``): the one
+    step a step directory names, or every complete step of a run directory (newest first is tried first)."""
+    if exported.is_exported(path):  # weights alone: no training state to restore
+        raise CheckpointError(f"{flag} {path} is an exported model (model.safetensors + config.json, for generate, "
+                              "evaluate and load_exported), not a training checkpoint; give the training run "
+                              "directory it was exported from")
     directory, step = find_checkpoint(path)
     source = Checkpointer(directory, read_only=True)
     steps = [step] if step is not None else source.all_steps()
@@ -204,11 +208,11 @@ def starting_state(configs: Configs, identity: dict[str, Any], mesh: Mesh, direc
         own = Checkpointer(directory, read_only=True) if directory.exists() else None
         own_steps = own.all_steps() if own is not None else []
         if run.resume_from:
-            source, steps = _source(run.resume_from)
+            source, steps = _source(run.resume_from, "--resume-from")
         elif own_steps:
             source, steps, own = own, own_steps, None
         elif run.init_from:
-            source, steps = _source(run.init_from)
+            source, steps = _source(run.init_from, "--init-from")
         if own is not None:
             own.close()
         resume = bool(run.resume_from) or bool(own_steps)
