@@ -62,7 +62,8 @@ class SettingsParser(OneLineParser):
     """Flags generated from settings dataclasses, with ``--config FILE`` values under them."""
 
     def __init__(self, prog: str, doc: str) -> None:
-        super().__init__(prog=prog, description=doc.splitlines()[0], argument_default=argparse.SUPPRESS)
+        summary = " ".join(doc.split("\n\n")[0].split())  # the docstring's first paragraph, however many lines
+        super().__init__(prog=prog, description=summary, argument_default=argparse.SUPPRESS)
         self.owner: dict[str, tuple[type, str, bool]] = {}  # dest -> (settings class, field, negated bool)
 
     def add_settings(self, cls: type, title: str | None = None, *, prefix: str = "", only: tuple[str, ...] = (),

@@ -59,7 +59,7 @@ def build_parser() -> SettingsParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nash_mhc.data import DataConfig, open_windows
+    from nash_mhc.data import DataConfig, NoWindows, open_windows
     from nash_mhc.inference import load_from_flags
     from nash_mhc.sharding import batch_shards
     from nash_mhc.training.evaluation import batch_range, evaluate
@@ -72,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
             data_config = DataConfig(dataset=config.dataset, tokenizer=data_config.tokenizer)
         data_config = dataclasses.replace(data_config, **parser.values(DataConfig, parser.given(argv)))
         window_seed = loaded.seed if config.window_seed is None else config.window_seed
-        data = open_windows(data_config, config.part, loaded.tokenizer, loaded.config.seq_len, window_seed)
+        try:
+            data = open_windows(data_config, config.part, loaded.tokenizer, loaded.config.seq_len, window_seed)
+        except NoWindows as error:  # the context length is the model's: no --seq-len here
+            other = "--split train or " if config.part == "eval" else ""
+            raise error.with_hint(f"the model's context length is fixed; use {other}a larger --dataset") from None
         batch_size = min(config.batch_size, data.num_windows)
         if batch_size % batch_shards(loaded.mesh):
             raise ValueError(f"--batch-size {batch_size} is not divisible by mesh data x fsdp = "

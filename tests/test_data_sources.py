@@ -573,3 +573,37 @@ def test_two_processes_of_4_devices_train_from_the_bucket_as_one_of_8(corpus, bu
     assert sorted(two) == [1, 2]
     for step in (1, 2):
         assert abs(two[step] - one[step]) <= 1e-6 * abs(one[step]), (step, two[step], one[step])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Records skipped for a null field are counted, through every path to the windows
+
+
+def test_null_records_are_counted_per_reason_in_both_parts_and_through_prepared_shards(tmp_path, capsys):
+    """600 prompt/response records, 100 with a null response and 10 with a null prompt: the windows of the two
+    parts count them, whatever the worker count; a text corpus prepared as shards keeps its count in index.json."""
+    rows = [{"prompt": None if i % 60 == 1 else f"q{i}", "response": None if i % 6 == 0 else f"a{i}"}
+            for i in range(600)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for workers in (1, 3):
+        train, held, _ = make_datasets(str(tmp_path / "pairs.jsonl"), "bytes", 4, 0, prompt_field="prompt",
+                                       response_field="response", num_workers=workers)
+        both = {k: train.skipped.get(k, 0) + held.skipped.get(k, 0) for k in {*train.skipped, *held.skipped}}
+        assert both == {"null response": 100, "null prompt": 10}, workers
+    texts = [{"text": None if i % 4 == 0 else f"document {i}"} for i in range(400)]
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in texts))
+    assert prepare.main(["--dataset", str(tmp_path / "texts.jsonl"), "--out", str(tmp_path / "shards"),
+                         "--no-progress"]) == 0
+    capsys.readouterr()
+    counted = []
+    for dataset in ("texts.jsonl", "shards"):
+        train, held, _ = make_datasets(str(tmp_path / dataset), "bytes", 4, 0)
+        counted.append((train.skipped, held.skipped))
+    assert counted[0] == counted[1] and counted[0][0]["null text"] + counted[0][1].get("null text", 0) == 100
+
+
+def test_a_part_of_only_null_records_says_how_many_were_skipped(tmp_path):
+    (tmp_path / "nulls.jsonl").write_text("".join(json.dumps({"text": None}) + "\n" for _ in range(5)))
+    with pytest.raises(ValueError) as excinfo:
+        make_datasets(str(tmp_path / "nulls.jsonl"), "bytes", SEQ, 0)
+    assert "its train split has no documents, 4 records skipped (4 null text)" in one_line(excinfo)

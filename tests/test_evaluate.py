@@ -169,3 +169,22 @@ def test_bytes_are_counted_independently_of_the_tokenizer():
     # A word-level tokenizer (no byte-level ids): bytes come from the decoded text, "héllo héllo héllo" per row.
     words = HFTokenizer(Tokenizer(models.WordLevel({"héllo": 0, "[UNK]": 1}, unk_token="[UNK]")), name="words")
     assert count_bytes(words, np.zeros((2, 3), np.int32)) == 2 * len("héllo héllo héllo".encode())
+
+
+@pytest.mark.parametrize("split, hint", [("eval", "use --split train or a larger --dataset"),
+                                         ("train", "use a larger --dataset")])
+def test_a_dataset_too_small_for_the_models_context_names_only_evaluates_flags(tmp_path, capsys, split, hint):
+    """evaluate has no --seq-len (the context length is the model's): its hint names --split and --dataset."""
+    import jax
+
+    from nash_mhc import LanguageModel, ModelConfig
+    from nash_mhc.exported import export_model
+
+    model = LanguageModel(ModelConfig.preset("tiny", vocab_size=ByteTokenizer.vocab_size), key=jax.random.key(0))
+    export_model(model, ByteTokenizer(), tmp_path / "export")
+    (tmp_path / "small.txt").write_text("a few words of text\n" * 3)
+    code = evaluate_main(["--checkpoint-dir", str(tmp_path / "export"), "--dataset", str(tmp_path / "small.txt"),
+                          "--split", split, "--compile-cache-dir", "none"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "cannot fill one window" in err, err
+    assert err.rstrip().endswith(hint) and "--seq-len" not in err

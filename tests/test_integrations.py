@@ -314,12 +314,23 @@ def test_prompt_fields_errors_are_one_line_exit_2(tmp_path, capsys):
                           (["--dataset", "synthetic", "--prompt-field", "p", "--response-field", "r"],
                            "has no prompt/response records"),
                           (["--dataset", str(TASKS), "--prompt-field", "question", "--response-field", "response"],
-                           "field 'question' not found")):
+                           "field 'question' not found"),
+                          (["--dataset", str(TASKS), "--prompt-field", "prompt", "--response-field", "prompt"],
+                           "--prompt-field and --response-field must name two different fields, got 'prompt'")):
         assert train_main([*COMMON, *argv, "--checkpoint-dir", str(tmp_path / "x")]) == 2
         assert message in one_line_error(capsys)
 
 
 # ----------------------------------------------------------------------------------------------- export
+def test_export_help_shows_the_whole_description():
+    """The description is the docstring's whole first paragraph (two lines for export), not its first line."""
+    from nash_mhc.export import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "a trained model as ``model.safetensors`` + ``config.json`` (+ its tokenizer), readable without the " \
+           "training stack by ``nash_mhc.load_exported(DIR)``." in text
+
+
 @pytest.mark.slow
 def test_export_then_load_gives_the_checkpoints_logits_without_the_training_stack(run, tmp_path, capsys):
     from nash_mhc.export import main as export_main

@@ -35,9 +35,9 @@ def test_check_batch_names_what_does_not_divide():
 def test_open_data_takes_the_vocabulary_from_the_tokenizer(tmp_path):
     configs = tiny_configs(tmp_path)
     configs = configs._replace(model=configs.model.replace(vocab_size=7))
-    resolved, tokenizer, train_data, eval_data = session.open_data(configs)
+    resolved, tokenizer, train_data, eval_data, notes = session.open_data(configs)
     assert resolved.model.vocab_size == tokenizer.vocab_size != 7
-    assert train_data.num_windows > 0 and eval_data.num_windows > 0
+    assert train_data.num_windows > 0 and eval_data.num_windows > 0 and notes == []
     first = train_data.arrays_at(0, global_batch=4, process_index=0, process_count=1)["tokens"]
     assert first.shape == (4, configs.model.seq_len + 1)
 
@@ -181,3 +181,61 @@ def test_the_directory_probe_leaves_another_runs_directory_in_a_shared_parent(tm
     session._check_directory(session.paths.as_path(tmp_path / "runs" / "mine"))
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["other"]
     assert (tmp_path / "runs" / "other" / "metrics.jsonl").read_text() == "{}\n"
+
+
+def small_sft_file(path, records=600, null_every=6):
+    """``records`` prompt/response lines (every ``null_every``-th response null): a held-out part of a few dozen
+    tokens."""
+    path.write_text("".join(json.dumps({"prompt": f"Q{i}: {i}+1?", "response": None if i % null_every == 0 else
+                                        f"{i + 1}"}) + "\n" for i in range(records)))
+    return path
+
+
+def sft_configs(tmp_path, seq_len, **run) -> session.Configs:
+    configs = tiny_configs(tmp_path / "run", **run)
+    data = DataConfig(dataset=str(small_sft_file(tmp_path / "sft.jsonl")), prompt_field="prompt",
+                      response_field="response")
+    return configs._replace(model=configs.model.replace(seq_len=seq_len), data=data)
+
+
+def test_a_held_out_part_without_a_window_trains_without_evaluation_when_eval_interval_is_0(tmp_path):
+    """A 600-record fine-tuning file whose held-out part cannot fill a window: with --eval-interval 0 (the default)
+    the run opens its data with a one-line warning and no eval windows; with evaluations asked for, the one-line
+    error names the flags that fix it, --eval-interval 0 among them."""
+    configs, tokenizer, train_data, eval_data, notes = session.open_data(sft_configs(tmp_path, 256))
+    assert eval_data is None and train_data.num_windows > 0
+    assert len(notes) == 1 and notes[0].startswith("warning: training without evaluation") and "\n" not in notes[0]
+    assert "cannot fill one window of seq_len + 1 = 257 tokens" in notes[0]
+    line = session.data_line(configs.data, train_data, eval_data)
+    assert "no eval windows" in line and "records skipped" in line
+    with pytest.raises(ValueError) as excinfo:
+        session.open_data(sft_configs(tmp_path, 256, eval_interval=5))
+    message = str(excinfo.value)
+    assert "\n" not in message and "cannot fill one window" in message
+    assert "--seq-len" in message and "--eval-interval 0" in message
+
+
+def test_the_data_line_counts_the_records_skipped_for_a_null_field(tmp_path):
+    """100 of 600 records have a null response: the log's data line says so (both parts counted)."""
+    configs, _, train_data, eval_data, notes = session.open_data(sft_configs(tmp_path, 16))
+    assert eval_data is not None and notes == []
+    line = session.data_line(configs.data, train_data, eval_data)
+    assert line.endswith(", 100 records skipped (100 null response)"), line
+    assert line.startswith(f"data: {configs.data.dataset} / bytes: {train_data.num_tokens:,} train tokens, "
+                           f"{eval_data.num_tokens:,} eval tokens")
+
+
+@pytest.mark.parametrize("flag", ["init_from", "resume_from"])
+def test_an_export_folder_as_a_checkpoint_is_a_one_line_error_that_says_so(tmp_path, flag):
+    """model.safetensors + config.json (python -m nash_mhc.export) hold weights alone: --init-from/--resume-from
+    say it is an export and what to give instead, not 'no complete checkpoint found'."""
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"weights")
+    (export / "config.json").write_text('{"format": "nash_mhc-export"}')
+    configs = tiny_configs(tmp_path / "run", **{flag: str(export)})
+    with pytest.raises(ValueError) as excinfo:
+        session.starting_state(configs, {}, configs.mesh.make(), tmp_path / "run")
+    message = str(excinfo.value)
+    assert "\n" not in message and "is an exported model" in message and "not a training checkpoint" in message
+    assert message.startswith(f"--{flag.replace('_', '-')} {export}") and "run directory" in message

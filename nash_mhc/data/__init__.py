@@ -17,17 +17,17 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from nash_mhc.data.encode import encode_chunks, masked_stream, token_stream
+from nash_mhc.data.encode import encode_chunks, encode_corpus, masked_stream, token_stream
 from nash_mhc.data.prefetch import Prefetcher
 from nash_mhc.data.prepared import PreparedSplit
 from nash_mhc.data.sources import Corpus, open_source
 from nash_mhc.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, count_bytes, get_tokenizer
-from nash_mhc.data.windows import PackedDataset
+from nash_mhc.data.windows import NoWindows, PackedDataset
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 
-__all__ = ["ByteTokenizer", "Corpus", "DataConfig", "HFTokenizer", "PackedDataset", "Prefetcher", "PreparedSplit",
-           "Tokenizer", "count_bytes", "encode_chunks", "get_tokenizer", "make_datasets", "masked_stream",
-           "open_source", "open_windows", "token_stream"]
+__all__ = ["ByteTokenizer", "Corpus", "DataConfig", "HFTokenizer", "NoWindows", "PackedDataset", "Prefetcher",
+           "PreparedSplit", "Tokenizer", "count_bytes", "encode_chunks", "encode_corpus", "get_tokenizer",
+           "make_datasets", "masked_stream", "open_source", "open_windows", "token_stream"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,9 @@ class DataConfig:
         check_settings(self)
         if (self.prompt_field is None) != (self.response_field is None):
             raise ValueError("give both --prompt-field and --response-field (or neither)")
+        if self.prompt_field is not None and self.prompt_field == self.response_field:
+            raise ValueError(f"--prompt-field and --response-field must name two different fields, got "
+                             f"{self.prompt_field!r} for both")
 
     @property
     def fields(self) -> str | tuple[str, str]:
@@ -77,15 +80,15 @@ class DataConfig:
 
 def open_windows(config: DataConfig, part: str, tokenizer: Tokenizer, seq_len: int, seed: int) -> PackedDataset:
     """The windows of part ``part`` ("train" or the held-out "eval") of ``config``'s dataset: memory-mapped
-    for prepared shards, tokenised now for every other kind."""
+    for prepared shards, tokenised now for every other kind. :class:`NoWindows` when the part fills none."""
     source = open_source(config.dataset, part, seed, dataset_name=config.dataset_name,
                          dataset_split=config.dataset_split, text_field=config.fields,
                          max_stream_tokens=config.max_stream_tokens)
     if isinstance(source, PreparedSplit):
         return source.windows(tokenizer, seq_len, seed=seed)
-    tokens, mask = masked_stream(source, tokenizer, num_workers=config.num_workers)
+    tokens, mask, skipped = encode_corpus(source, tokenizer, num_workers=config.num_workers)
     return PackedDataset(tokens, seq_len, seed=seed, vocab_size=tokenizer.vocab_size, name=f"{source.name}/{part}",
-                         loss_mask=mask)
+                         loss_mask=mask, skipped=skipped)
 
 
 def make_datasets(dataset: str, tokenizer: str | Tokenizer, seq_len: int, seed: int, **options: object

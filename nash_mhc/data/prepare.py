@@ -27,7 +27,7 @@ from nash_mhc.cli import SettingsParser, fail
 from nash_mhc.data import DataConfig, prepared, remote
 from nash_mhc.data.encode import encode_chunks
 from nash_mhc.data.sources import open_source
-from nash_mhc.data.windows import stream_dtype
+from nash_mhc.data.windows import skipped_text, stream_dtype
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 
 
@@ -80,7 +80,9 @@ def prepare_shards(data: DataConfig, config: PrepareConfig) -> dict[str, Any]:
                 chunks = encode_chunks(corpus, tokenizer, num_workers=data.num_workers, max_tokens=limit)
                 splits[part] = prepared.write_part(directory, part, chunks, dtype, progress=bar.update)
             if not splits[part]["num_documents"]:
-                raise ValueError(f"dataset {data.dataset!r} is empty: its {part} split has no documents")
+                skipped = skipped_text(splits[part].get("skipped", {}))
+                raise ValueError(f"dataset {data.dataset!r} is empty: its {part} split has no documents"
+                                 + (f", {skipped}" if skipped else ""))
         index = {"dtype": dtype.name, "tokenizer": prepared.tokenizer_record(tokenizer),
                  "source": {"dataset": data.dataset, "dataset_name": data.dataset_name, "split": data.dataset_split,
                             "text_field": data.text_field, "max_tokens": config.max_tokens, "seed": config.seed},

@@ -3,7 +3,8 @@
 A prepared directory holds ``train.bin`` and ``eval.bin`` (headerless native ``uint16``, or ``uint32`` for
 vocabularies over 2**16) and ``index.json``: ``{"format": "nash_mhc-shards", "version": 2, "dtype",
 "tokenizer": {name, fingerprint, vocab_size, bos_id, eos_id, pad_id}, "source": {how it was read}, "splits":
-{"train": {file, num_tokens, num_documents, max_token_id}, "eval": {...}}}``. Each file is exactly the stream
+{"train": {file, num_tokens, num_documents, max_token_id[, skipped]}, "eval": {...}}}`` (``skipped``: the
+records read as no document, per reason, when there were any). Each file is exactly the stream
 the on-the-fly pipeline builds, so it gives the same windows and batches, and a host reads only its rows.
 Opening checks the tokenizer (fingerprint, vocabulary size, EOS) and the file sizes against the index. In a
 bucket (``gs://...``) the files are read by byte range, a batch's windows at a time (:mod:`nash_mhc.data.remote`).
@@ -22,7 +23,7 @@ import numpy as np
 from nash_mhc import paths
 from nash_mhc.data import remote
 from nash_mhc.data.tokenizers import Tokenizer
-from nash_mhc.data.windows import PackedDataset
+from nash_mhc.data.windows import NoWindows, PackedDataset
 
 FORMAT, VERSION, INDEX_FILE = "nash_mhc-shards", 2, "index.json"
 
@@ -73,7 +74,7 @@ class PreparedSplit:
                              "prepare the data again")
         entry = index["splits"].get(self.part) or {}
         if not entry.get("num_tokens"):
-            raise ValueError(f"dataset {where} is empty: the prepared shards hold no {self.part} tokens")
+            raise NoWindows(f"dataset {where} is empty: the prepared shards hold no {self.part} tokens", "")
         if int(entry["max_token_id"]) >= tokenizer.vocab_size:
             raise ValueError(f"prepared shards {where}: token id {entry['max_token_id']} >= vocab size "
                              f"{tokenizer.vocab_size} (token ids must lie in [0, {tokenizer.vocab_size}))")
@@ -87,19 +88,24 @@ class PreparedSplit:
         tokens = (remote.RangeTokens(file, dtype, int(entry["num_tokens"])) if in_bucket  # read by byte range
                   else np.memmap(file, dtype=dtype, mode="r", shape=(int(entry["num_tokens"]),)))
         return PackedDataset(tokens, seq_len, seed=seed, vocab_size=tokenizer.vocab_size,
-                             name=f"{self.name}/{self.part}")
+                             name=f"{self.name}/{self.part}", skipped=entry.get("skipped"))
 
 
 def write_part(directory: Path, part: str, chunks: Iterable[tuple[np.ndarray, int]], dtype: np.dtype, *,
                progress: Callable[[int], object] = lambda tokens: None) -> dict[str, Any]:
-    """Append ``(ids, documents)`` chunks to ``<part>.bin`` (written as ``.tmp``, renamed when complete; a
-    failure removes it), calling ``progress(tokens)`` per chunk; returns the part's index entry."""
+    """Append ``(ids, documents)`` chunks (or EncodedChunks, whose skipped records are counted) to
+    ``<part>.bin`` (written as ``.tmp``, renamed when complete; a failure removes it), calling
+    ``progress(tokens)`` per chunk; returns the part's index entry."""
     final = directory / f"{part}.bin"
     temporary = final.with_name(final.name + ".tmp")
-    entry = {"file": final.name, "num_tokens": 0, "num_documents": 0, "max_token_id": -1}
+    entry: dict[str, Any] = {"file": final.name, "num_tokens": 0, "num_documents": 0, "max_token_id": -1}
+    skipped: dict[str, int] = {}
     try:
         with open(temporary, "wb") as out:
-            for ids, documents, *_ in chunks:  # (ids, documents) or an EncodedChunk
+            for chunk in chunks:  # (ids, documents) or an EncodedChunk
+                ids, documents = chunk[0], chunk[1]
+                for reason, count in (getattr(chunk, "skipped", None) or {}).items():
+                    skipped[reason] = skipped.get(reason, 0) + count
                 ids = np.ascontiguousarray(ids, dtype=dtype)
                 out.write(ids.tobytes())
                 entry["num_tokens"] += int(ids.size)
@@ -109,7 +115,7 @@ def write_part(directory: Path, part: str, chunks: Iterable[tuple[np.ndarray, in
         os.replace(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)
-    return entry
+    return {**entry, "skipped": skipped} if skipped else entry
 
 
 def write_index(directory: Path, index: dict[str, Any]) -> None:

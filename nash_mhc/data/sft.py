@@ -10,6 +10,7 @@ With ``--init-from`` a trained run, this is supervised fine-tuning.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -18,14 +19,22 @@ Fields = str | tuple[str, str]  # a text field, or (prompt field, response field
 FIELD_FLAGS = "--prompt-field/--response-field"
 
 
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A record that gives no document, and why (``"null response"``): a source yields it in the record's place,
+    and tokenising counts it (:mod:`nash_mhc.data.encode`)."""
+
+    reason: str
+
+
 def columns(field: Fields) -> list[str]:
     """The record fields ``field`` reads."""
     return [field] if isinstance(field, str) else list(field)
 
 
-def pair_of(record: dict[str, Any], fields: tuple[str, str], where: str) -> tuple[str, str] | None:
-    """``(prompt, response)`` of ``record`` (None when either is null); one-line errors for a missing field
-    (naming the record's fields) or one that is not text."""
+def pair_of(record: dict[str, Any], fields: tuple[str, str], where: str) -> tuple[str, str] | Skipped:
+    """``(prompt, response)`` of ``record`` (:class:`Skipped` when either is null); one-line errors for a missing
+    field (naming the record's fields) or one that is not text."""
     missing = [f for f in fields if f not in record]
     if missing:
         names = ", ".join(map(str, record)) or "none"
@@ -34,8 +43,8 @@ def pair_of(record: dict[str, Any], fields: tuple[str, str], where: str) -> tupl
         if record[field] is not None and not isinstance(record[field], str):
             raise ValueError(f"field {field!r} in {where} is a {type(record[field]).__name__}, not a string "
                              f"(use {FIELD_FLAGS})")
-    prompt, response = (record[f] for f in fields)
-    return None if prompt is None or response is None else (prompt, response)
+    nulls = [field for field in fields if record[field] is None]
+    return Skipped(f"null {' and '.join(nulls)}") if nulls else (record[fields[0]], record[fields[1]])
 
 
 def encode_example(prompt_ids: np.ndarray, response_ids: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:

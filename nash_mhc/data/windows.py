@@ -25,7 +25,32 @@ from typing import Any
 import numpy as np
 from jaxtyping import Float32, Int32, Integer
 
-__all__ = ["PackedDataset", "check_ids", "stream_dtype"]
+__all__ = ["NoWindows", "PackedDataset", "check_ids", "skipped_text", "stream_dtype"]
+
+SEQ_LEN_HINT = "use a smaller --seq-len or a larger dataset"
+
+
+class NoWindows(ValueError):
+    """A part of a dataset that gives no window (too few tokens, or none). ``what`` says why, ``hint`` what to
+    change (each program names its own flags: :meth:`with_hint`); ``skipped`` counts its skipped records."""
+
+    def __init__(self, what: str, hint: str = SEQ_LEN_HINT, *, num_tokens: int = 0,
+                 skipped: dict[str, int] | None = None) -> None:
+        self.what, self.hint, self.num_tokens, self.skipped = what, hint, num_tokens, dict(skipped or {})
+        super().__init__(f"{what}; {hint}" if hint else what)
+
+    def with_hint(self, hint: str) -> NoWindows:
+        """The same error with another hint."""
+        return NoWindows(self.what, hint, num_tokens=self.num_tokens, skipped=self.skipped)
+
+
+def skipped_text(skipped: dict[str, int]) -> str:
+    """``"100 records skipped (60 null response, 40 null prompt)"``, or "" when none was."""
+    if not sum(skipped.values()):
+        return ""
+    total, ordered = sum(skipped.values()), sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0]))
+    reasons = ", ".join(f"{count:,} {reason}" for reason, count in ordered)
+    return f"{total:,} record{'s' if total != 1 else ''} skipped ({reasons})"
 
 
 def stream_dtype(vocab_size: int) -> np.dtype:
@@ -51,19 +76,22 @@ def _windows(stream: Any, count: int, width: int) -> Any:
 class PackedDataset:
     """``tokens`` (any 1-D integer array, a ``np.memmap`` included: only the rows asked for are read) as windows
     of ``seq_len + 1``, batched by :meth:`batch_at`. Every batch's ids are checked against ``vocab_size``.
-    ``loss_mask`` (0/1 per token, as long as ``tokens``) gives each batch a loss mask (:meth:`mask_at`)."""
+    ``loss_mask`` (0/1 per token, as long as ``tokens``) gives each batch a loss mask (:meth:`mask_at`).
+    ``skipped``: records the stream lacks, per reason (``{"null response": 3}``), for the run's log."""
 
     def __init__(self, tokens: Integer[np.ndarray, " n"] | Any, seq_len: int, *, seed: int = 0,
                  vocab_size: int | None = None, shuffle: bool = True, name: str = "dataset",
-                 loss_mask: Integer[np.ndarray, " n"] | None = None) -> None:
+                 loss_mask: Integer[np.ndarray, " n"] | None = None, skipped: dict[str, int] | None = None) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
         self.seq_len, self.seed, self.vocab_size, self.shuffle, self.name = seq_len, seed, vocab_size, shuffle, name
-        self.num_tokens = int(tokens.shape[0])
+        self.num_tokens, self.skipped = int(tokens.shape[0]), dict(skipped or {})
         self.num_windows = self.num_tokens // (seq_len + 1)
         if self.num_windows < 1:
-            raise ValueError(f"{name}: corpus too small / empty: {self.num_tokens} tokens cannot fill one window of "
-                             f"seq_len + 1 = {seq_len + 1} tokens; use a smaller --seq-len or a larger dataset")
+            detail = f", {skipped_text(self.skipped)}" if self.skipped else ""
+            raise NoWindows(f"{name}: corpus too small / empty: {self.num_tokens} tokens cannot fill one window of "
+                            f"seq_len + 1 = {seq_len + 1} tokens{detail}", num_tokens=self.num_tokens,
+                            skipped=self.skipped)
         self.windows = _windows(tokens, self.num_windows, seq_len + 1)
         if loss_mask is not None and loss_mask.shape != tokens.shape:
             raise ValueError(f"{name}: loss mask of shape {loss_mask.shape} for {self.num_tokens} tokens")

@@ -15,9 +15,10 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import Mesh
 
-from nash_mhc import hardware, paths
+from nash_mhc import exported, hardware, paths
 from nash_mhc.config import ModelConfig
-from nash_mhc.data import DataConfig, PackedDataset, Tokenizer, open_windows
+from nash_mhc.data import DataConfig, NoWindows, PackedDataset, Tokenizer, open_windows
+from nash_mhc.data.windows import skipped_text
 from nash_mhc.model import describe
 from nash_mhc.sharding import MeshConfig, batch_shards, sharding_summary
 from nash_mhc.training.checkpoint import Checkpointer, CheckpointError, config_differences, find_checkpoint
@@ -55,7 +56,7 @@ class Session:
     state: TrainState
     start_step: int
     train_data: PackedDataset
-    eval_data: PackedDataset
+    eval_data: PackedDataset | None  # None: the held-out part fills no window (and --eval-interval is 0)
     tokenizer: Tokenizer
     checkpointer: Checkpointer
     logger: RunLogger
@@ -82,9 +83,13 @@ class Session:
                          "max_stream_tokens": data.max_stream_tokens, "samples_seen": step * train.batch_size}}
 
 
-def _source(path: str) -> tuple[Checkpointer, list[int]]:
-    """The read-only checkpointer and candidate steps behind ``--resume-from``/``--init-from``: the one step a
-    step directory names, or every complete step of a run directory (newest first is tried first)."""
+def _source(path: str, flag: str) -> tuple[Checkpointer, list[int]]:
+    """The read-only checkpointer and candidate steps behind ``--resume-from``/``--init-from`` (``flag``): the one
+    step a step directory names, or every complete step of a run directory (newest first is tried first)."""
+    if exported.is_exported(path):  # weights alone: no training state to restore
+        raise CheckpointError(f"{flag} {path} is an exported model (model.safetensors + config.json, for generate, "
+                              "evaluate and load_exported), not a training checkpoint; give the training run "
+                              "directory it was exported from")
     directory, step = find_checkpoint(path)
     source = Checkpointer(directory, read_only=True)
     steps = [step] if step is not None else source.all_steps()
@@ -180,14 +185,25 @@ def check_batch(train_config: TrainConfig, mesh: Mesh) -> None:
                          f"{jax.process_count()} processes")
 
 
-def open_data(configs: Configs) -> tuple[Configs, Tokenizer, PackedDataset, PackedDataset]:
-    """(configs with the tokenizer's vocabulary size, tokenizer, train windows, eval windows)."""
+EVAL_HINT = "use a smaller --seq-len, a larger dataset, or --eval-interval 0 (train without evaluation)"
+
+
+def open_data(configs: Configs) -> tuple[Configs, Tokenizer, PackedDataset, PackedDataset | None, list[str]]:
+    """(configs with the tokenizer's vocabulary size, tokenizer, train windows, eval windows, notes for the log).
+    A held-out part that fills no window is an error, unless ``--eval-interval`` is 0: then the eval windows are
+    None and the notes hold a one-line warning."""
     model_config, train_config, data_config = configs.model, configs.train, configs.data
     tokenizer = data_config.load_tokenizer()
-    train_data, eval_data = (open_windows(data_config, part, tokenizer, model_config.seq_len, train_config.seed)
-                             for part in ("train", "eval"))
-    return configs._replace(model=model_config.replace(vocab_size=tokenizer.vocab_size)), tokenizer, train_data, \
-        eval_data
+    train_data = open_windows(data_config, "train", tokenizer, model_config.seq_len, train_config.seed)
+    eval_data, notes = None, []
+    try:
+        eval_data = open_windows(data_config, "eval", tokenizer, model_config.seq_len, train_config.seed)
+    except NoWindows as error:
+        if configs.run.eval_interval:
+            raise error.with_hint(EVAL_HINT) from None
+        notes.append(f"warning: training without evaluation (--eval-interval 0): {error.what}")
+    configs = configs._replace(model=model_config.replace(vocab_size=tokenizer.vocab_size))
+    return configs, tokenizer, train_data, eval_data, notes
 
 
 @dataclasses.dataclass
@@ -209,11 +225,11 @@ def starting_state(configs: Configs, identity: dict[str, Any], mesh: Mesh, direc
         own = Checkpointer(directory, read_only=True) if directory.exists() else None
         own_steps = own.all_steps() if own is not None else []
         if run.resume_from:
-            source, steps = _source(run.resume_from)
+            source, steps = _source(run.resume_from, "--resume-from")
         elif own_steps:
             source, steps, own = own, own_steps, None
         elif run.init_from:
-            source, steps = _source(run.init_from)
+            source, steps = _source(run.init_from, "--init-from")
         if own is not None:
             own.close()
         resume = bool(run.resume_from) or bool(own_steps)
@@ -242,19 +258,27 @@ def set_aside_later_steps(directory: paths.Path, start: Start) -> None:
         multihost_utils.sync_global_devices("nash_mhc set aside")
 
 
+def data_line(data_config: DataConfig, train_data: PackedDataset, eval_data: PackedDataset | None) -> str:
+    """``data: <dataset> / <tokenizer>: <n> train tokens, <m> eval tokens[, <k> records skipped (<why>)]``."""
+    skipped = dict(train_data.skipped)
+    for reason, count in (eval_data.skipped if eval_data is not None else {}).items():
+        skipped[reason] = skipped.get(reason, 0) + count
+    held_out = f"{eval_data.num_tokens:,} eval tokens" if eval_data is not None else "no eval windows"
+    return ", ".join(filter(None, (f"data: {data_config.dataset} / {data_config.tokenizer}: "
+                                   f"{train_data.num_tokens:,} train tokens", held_out, skipped_text(skipped))))
+
+
 def summary_lines(configs: Configs, state: TrainState, devices: list[Any], meter: MFUMeter,
-                  data: tuple[PackedDataset, PackedDataset], start: Start) -> list[str]:
+                  data: tuple[PackedDataset, PackedDataset | None], start: Start) -> list[str]:
     """The lines a run's log starts with: hardware, sharding, model, batch, data, peak and where it starts."""
-    model_config, train_config, data_config, run = configs.model, configs.train, configs.data, configs.run
-    train_data, eval_data = data
+    model_config, train_config, run = configs.model, configs.train, configs.run
     return [
         *hardware.summary_lines(devices),
         *sharding_summary(state.model, state.mesh),
         f"model: {describe(model_config)}",
         f"tokens per update: {train_config.batch_size * model_config.seq_len:,} ({train_config.batch_size} x "
         f"{model_config.seq_len}), accumulation steps: {train_config.grad_accum_steps}",
-        f"data: {data_config.dataset} / {data_config.tokenizer}: {train_data.num_tokens:,} train tokens, "
-        f"{eval_data.num_tokens:,} eval tokens",
+        data_line(configs.data, *data),
         f"peak FLOP/s per device: {meter.peak / 1e9:,.1f} GFLOP/s ({meter.source})",
         *start.notes,
         f"resuming from step {start.step}" if start.resume else
@@ -283,11 +307,12 @@ def prepare(configs: Configs) -> Session:
     # measures it: after the data, the state and the outputs were made, a CPU's matmul probe read low more often,
     # and every MFU of such a run as much too high (benchmarks/README.md, "Training log vs benchmark").
     peak = device_peak(dtype=configs.model.dtype)
-    configs, tokenizer, train_data, eval_data = open_data(configs)
+    configs, tokenizer, train_data, eval_data, data_notes = open_data(configs)
     identity = run_identity(configs.data, tokenizer, configs.train)
     lock = _lock(directory) if directory.exists() else None
     try:
         start = starting_state(configs, identity, mesh, directory)
+        start.notes[:0] = data_notes
         _make_directory(directory)
         if lock is None:
             lock = _lock(directory)

@@ -63,11 +63,11 @@ def _table_texts(table: Any, field: Fields, what: str) -> Iterator[Any]:
 def _table_documents(train: Any, own_eval: Any, part: str, field: Fields, key: str, what: str) -> Iterator[Any]:
     """Documents of one part of an Arrow ``Dataset`` (``own_eval``: the dataset's eval split, or None)."""
     if own_eval is not None:
-        yield from (t for t in _table_texts(own_eval if part == "eval" else train, field, what) if t is not None)
+        yield from _table_texts(own_eval if part == "eval" else train, field, what)
         return
     mask = held_out(document_fractions(key, len(train)))
     for keep, text in zip(mask == (part == "eval"), _table_texts(train, field, what), strict=True):
-        if keep and text is not None:
+        if keep:
             yield text
 
 
@@ -127,9 +127,9 @@ def hub_corpus(repo_id: str, part: str, dataset_name: str | None, dataset_split:
     def documents() -> Iterator[Any]:
         if part == "eval":
             head = itertools.islice(rows(own_eval or train_split), STREAM_EVAL_DOCUMENTS)
-            yield from (t for t in head if t is not None)
+            yield from head
             return
         skip = 0 if own_eval else STREAM_EVAL_DOCUMENTS
-        yield from (t for t in itertools.islice(rows(train_split), skip, None) if t is not None)
+        yield from itertools.islice(rows(train_split), skip, None)
 
     return Corpus(repo_id, part, documents, max_tokens)

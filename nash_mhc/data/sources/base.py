@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from nash_mhc.data.sft import Fields, pair_of
+from nash_mhc.data.sft import Fields, Skipped, pair_of
 
 PARTS = ("train", "eval")
 EVAL_FRACTION = 0.01
@@ -18,17 +18,18 @@ EVAL_FRACTION = 0.01
 @dataclasses.dataclass(frozen=True)
 class Corpus:
     """One part of a dataset: ``documents()`` yields its texts (``str``, or UTF-8 ``bytes``; or ``(prompt,
-    response)`` pairs, :mod:`nash_mhc.data.sft`) in a fixed order; tokenising stops after ``max_tokens`` tokens
-    when set (the bounded prefix of a stream)."""
+    response)`` pairs, :mod:`nash_mhc.data.sft`) in a fixed order, and a :class:`Skipped` in the place of each
+    record of the part that gives none (a null text), so that it is counted; tokenising stops after
+    ``max_tokens`` tokens when set (the bounded prefix of a stream)."""
 
     name: str
     part: str
-    documents: Callable[[], Iterable[str | bytes | tuple[str, str]]]
+    documents: Callable[[], Iterable[str | bytes | tuple[str, str] | Skipped]]
     max_tokens: int | None = None
 
 
-def text_of(record: Any, field: Fields, where: str) -> str | tuple[str, str] | None:
-    """``record[field]`` (None for a null text); one-line errors for a record without the field (naming its
+def text_of(record: Any, field: Fields, where: str) -> str | tuple[str, str] | Skipped:
+    """``record[field]`` (:class:`Skipped` for a null text); one-line errors for a record without the field (naming its
     fields) or with a field that is not text. A ``(prompt, response)`` field pair gives that pair."""
     if not isinstance(record, dict):
         raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object with a {field!r} field")
@@ -40,7 +41,7 @@ def text_of(record: Any, field: Fields, where: str) -> str | tuple[str, str] | N
     if record[field] is not None and not isinstance(record[field], str):
         raise ValueError(f"text field {field!r} in {where} is a {type(record[field]).__name__}, not a string "
                          "(use --text-field)")
-    return record[field]
+    return Skipped(f"null {field}") if record[field] is None else record[field]
 
 
 def check_part(part: str) -> str:
