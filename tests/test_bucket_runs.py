@@ -76,3 +76,34 @@ def test_a_resume_in_a_bucket_keeps_profile_and_sets_later_steps_and_metrics_asi
     kept = gcs.fs.cat_file(f"bucket/runs/a/set_aside/{aside[0]}/metrics.jsonl").decode().splitlines()
     assert [json.loads(line)["step"] for line in kept] == [3]
     assert steps(gcs, "runs/a/") == [1, 2, 3] and logged(gcs, "runs/a/") == [1, 2, 3]  # step 3 trained again
+
+
+def flip(gcs, name: str, spots: int = 8, count: int = 64) -> None:
+    data = bytearray(gcs.fs.cat_file(f"bucket/{name}"))
+    for spot in range(spots):
+        at = len(data) * (2 * spot + 1) // (2 * spots)
+        data[at:at + count] = bytes(b ^ 0xFF for b in data[at:at + count])
+    gcs.fs.pipe(f"bucket/{name}", bytes(data))
+
+
+def largest_array_file(gcs, prefix: str) -> str:
+    gcs.fs.invalidate_cache()
+    files = [f for f in gcs.fs.find(f"bucket/{prefix}/state") if "/d/" in f]
+    return max(files, key=gcs.fs.size)[len("bucket/"):]
+
+
+def test_corrupt_checkpoints_in_a_bucket_fall_back_then_fail_in_one_line(gcs, cache_dir, capsys):
+    run = "gs://bucket/runs/corrupt"
+    assert train(cache_dir, "--total-steps", "2", "--checkpoint-dir", run) == 0
+    flip(gcs, largest_array_file(gcs, "runs/corrupt/2"))  # decodes into other values: only the crc32c sees it
+    capsys.readouterr()
+    assert train(cache_dir, "--total-steps", "2", "--checkpoint-dir", run) == 0
+    log = "".join(capsys.readouterr())
+    assert "skipped checkpoint step 2" in log and "is corrupt: crc32c of .model." in log
+    assert "resuming from step 1" in log
+    for step in (1, 2):  # both steps now: nothing restores, one line, no asyncio report after it
+        flip(gcs, largest_array_file(gcs, f"runs/corrupt/{step}"))
+    assert train(cache_dir, "--total-steps", "2", "--checkpoint-dir", run) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.strip()] == [err.strip()], err[-3000:]
+    assert err.startswith("error: no checkpoint in gs://bucket/runs/corrupt restores: step 2 (")
