@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each measurement (default: 3)")
     parser.add_argument("--out", type=Path, default=OUT, help="results folder (default: %(default)s)")
     args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()  # the code measured: before it may move
 
     config = ModelConfig.preset(args.model)
     mesh = make_mesh(data=jax.device_count(), fsdp=1, tp=1)
@@ -92,8 +94,6 @@ def main() -> None:
                 rows[key].append(value)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
     result = {"model": args.model, "state_bytes": nbytes, "arrays": len(arrays), "repeats": args.repeats,
               "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "machine": machine(),
               "commit": commit, "date": datetime.date.today().isoformat(),
