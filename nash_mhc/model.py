@@ -144,7 +144,7 @@ class Block(eqx.Module):
         self.attn = MultiscaleAttention(
             c.d_model, c.num_heads, c.block_sizes, num_layers=c.num_layers, aggregation=c.aggregation,
             nash_iters=c.nash_iters, nash_temperature=c.nash_temperature, rope_theta=c.rope_theta,
-            dtype=c.dtype, key=k2, norm_eps=c.norm_eps)
+            dtype=c.dtype, key=k2, norm_eps=c.norm_eps, scale0_weight=c.scale0_prior_weight)
         self.ffn_hc = HyperConnection(c.residual, c.num_streams, c.d_model, key=k3, sublayer_index=2 * layer + 1,
                                       **hc)
         self.ffn_norm = RMSNorm(c.d_model, c.norm_eps)
