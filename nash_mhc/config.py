@@ -21,6 +21,8 @@ AGGREGATION_MODES = ("nash", "gate", "convex")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
 VOCAB_MULTIPLE = 128
+SCALE_PRIORS = ("scale0", "uniform")  # or a number in (0, 1): the weight of scale 0
+SCALE0_PRIOR_WEIGHT = 0.99  # scale_prior "scale0": softmax(b)_0 at initialisation where every scale is available
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -31,6 +33,21 @@ def round_up(x: int, multiple: int) -> int:
 def default_ffn_hidden(d_model: int) -> int:
     """SwiGLU hidden size: 8/3 * D (2/3 of the classic 4D, applied once), rounded to the nearest 128."""
     return max(128, int(round(8 * d_model / 3 / 128)) * 128)
+
+
+def _scale_prior(value: Any, fail: Any) -> str:
+    """``scale_prior`` checked and written one way: a name of :data:`SCALE_PRIORS`, or a number in (0, 1) as the
+    shortest text of its float (``0.50`` → ``"0.5"``), so equal models compare equal."""
+    if value in SCALE_PRIORS:
+        return value
+    try:
+        weight = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        weight = math.nan
+    if not 0 < weight < 1:  # NaN fails too
+        fail(f"scale_prior must be {', '.join(SCALE_PRIORS)} or a number in (0, 1) (the weight of scale 0), "
+             f"got {value!r}")
+    return repr(weight)
 
 
 ConfigT = TypeVar("ConfigT", bound="ConfigMethods")
@@ -83,6 +100,10 @@ class ModelConfig(ConfigMethods):
     residual: str = setting("mhc", "residual connection mode", choices=RESIDUAL_MODES)
     attention: str = setting("multiscale", "attention mode", choices=ATTENTION_MODES)
     aggregation: str = setting("nash", "multiscale aggregation", choices=AGGREGATION_MODES)
+    scale_prior: str = setting("scale0", "start of the multiscale aggregation, its prior softmax(b) where every "
+                                         "scale is available: 'scale0' (0.99 on scale 0: starts as full attention), "
+                                         "'uniform' (every scale equal), or a number in (0, 1): the weight of scale "
+                                         "0, the rest split equally among the coarse scales")
     sinkhorn_iters: int = setting(20, "Sinkhorn iterations that make each mHC H_res doubly stochastic")
     nash_iters: int = setting(16, "at most this many Newton steps to the Nash equilibrium (tolerance 1e-6)")
     nash_temperature: float = setting(0.1, "initial learned temperature tau of the Nash aggregation")
@@ -153,6 +174,7 @@ class ModelConfig(ConfigMethods):
                 fail(f"{name} must be a finite number > 0, got {value!r}")
         if not isinstance(self.hc_identity_logit, int | float) or not math.isfinite(self.hc_identity_logit):
             fail(f"hc_identity_logit must be a finite number, got {self.hc_identity_logit!r}")
+        object.__setattr__(self, "scale_prior", _scale_prior(self.scale_prior, fail))
         if not self.sparsity_weight >= 0:  # NaN fails too
             fail(f"sparsity_weight must be >= 0, got {self.sparsity_weight}")
         if self.ffn_hidden < 0:
@@ -190,6 +212,13 @@ class ModelConfig(ConfigMethods):
     def padded_vocab_size(self) -> int:
         """Vocabulary rounded up to a multiple of 128 (embedding rows / logits columns)."""
         return round_up(self.vocab_size, VOCAB_MULTIPLE)
+
+    @property
+    def scale0_prior_weight(self) -> float:
+        """softmax(b)_0 of the aggregation prior at initialisation where every scale is available (``scale_prior``)."""
+        if self.scale_prior in SCALE_PRIORS:
+            return SCALE0_PRIOR_WEIGHT if self.scale_prior == "scale0" else 1.0 / self.num_scales
+        return float(self.scale_prior)
 
     @property
     def block_sizes(self) -> tuple[int, ...]:

@@ -4,7 +4,9 @@ Loads the latest (or ``--step``) checkpoint of a training run's ``--checkpoint-d
 held-out ``eval`` part of the run's dataset (or ``--dataset``), at the model's context length, with the same
 code the training program logs ``eval_loss`` with (:mod:`nash_mhc.training.evaluation`). Prints one JSON
 line: loss (mean nats per predicted token), perplexity (exp(loss)), bits_per_byte (total nats / ln 2 / UTF-8
-bytes of the predicted text, comparable across tokenizers), aux_loss, tokens, bytes, batches, first_batch, step.
+bytes of the predicted text, comparable across tokenizers), aux_loss, tokens, bytes, batches, first_batch, step
+and, for a model with several attention scales, how much each scale carries over the evaluated tokens
+(scale_weight/<l>, scale_prior/<l>, scale_tv and their per-layer values: :mod:`nash_mhc.training.scale_use`).
 ``--first-batch K --num-batches N`` reads batches [K, K + N) of the held-out pass (disjoint ranges read disjoint
 windows); ``--window-seed`` fixes the windows' order across runs of different seeds.
 ``--untrained`` evaluates the run's step-0 initialisation instead, the baseline to compare with.

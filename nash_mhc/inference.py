@@ -21,7 +21,7 @@ from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig, Tokenizer, get_tokenizer
 from nash_mhc.model import LanguageModel
 from nash_mhc.sharding import MeshConfig, make_mesh, partition_specs
-from nash_mhc.training.checkpoint import Checkpointer, CheckpointError, find_checkpoint
+from nash_mhc.training.checkpoint import Checkpointer, CheckpointError, find_checkpoint, saved_model_config
 from nash_mhc.training.config import TrainConfig
 from nash_mhc.training.fit import abstract_train_state
 from nash_mhc.training.state import init_train_state
@@ -83,7 +83,7 @@ def load_model(checkpoint_dir: str, *, step: int | None = None, untrained: bool 
             raise CheckpointError(f"no checkpoint at step {step} in {directory} (have {sorted(steps)})")
         meta = checkpointer.read_meta(step)
         try:
-            model_config = ModelConfig.from_dict(meta["model_config"])
+            model_config = ModelConfig.from_dict(saved_model_config(meta["model_config"]))
             train_config = TrainConfig.from_dict(meta["train_config"])
             if tokenizer is not None:
                 meta = {**meta, "data": {**meta["data"], "tokenizer": tokenizer}}

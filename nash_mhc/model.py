@@ -96,6 +96,7 @@ class ModelOutput(eqx.Module):
       0 for ``attention="full"``.
     entropy: [T] that entropy per position, averaged over layers (0 where there is no choice).
     scale_weights: [L] mean aggregation weight per scale over positions and layers.
+    layer_weights: [layers, T, L] every layer's aggregation weights per position (0 on unavailable scales).
     nash_residual: max over layers and positions of the equilibrium residual max_l |w - BR(w)| (0 unless
       ``aggregation="nash"`` with several scales).
     res_diag: mean diagonal of H_res over tokens, sublayers and layers (1 for one stream).
@@ -106,6 +107,7 @@ class ModelOutput(eqx.Module):
     aux_loss: Float[Array, "*batch"]
     entropy: Float[Array, "*batch seq"]
     scale_weights: Float[Array, "*batch scales"]
+    layer_weights: Float[Array, "*batch layers seq scales"]
     nash_residual: Float[Array, "*batch"]
     res_diag: Float[Array, "*batch"]
     residual_maps: Float[Array, "*batch sublayers seq n n"] | None = None
@@ -144,7 +146,7 @@ class Block(eqx.Module):
         self.attn = MultiscaleAttention(
             c.d_model, c.num_heads, c.block_sizes, num_layers=c.num_layers, aggregation=c.aggregation,
             nash_iters=c.nash_iters, nash_temperature=c.nash_temperature, rope_theta=c.rope_theta,
-            dtype=c.dtype, key=k2, norm_eps=c.norm_eps)
+            dtype=c.dtype, key=k2, norm_eps=c.norm_eps, scale0_weight=c.scale0_prior_weight)
         self.ffn_hc = HyperConnection(c.residual, c.num_streams, c.d_model, key=k3, sublayer_index=2 * layer + 1,
                                       **hc)
         self.ffn_norm = RMSNorm(c.d_model, c.norm_eps)
@@ -346,7 +348,7 @@ class LanguageModel(eqx.Module):
             else:
                 x, stats = block.streams_major(x)
             diag = jnp.mean(jnp.diagonal(stats.res, axis1=-2, axis2=-1), axis=(0, 2, 3))
-            ys = (stats.entropy, jnp.mean(stats.weights, axis=1), jnp.max(stats.nash_residual, axis=1), diag)
+            ys = (stats.entropy, stats.weights, jnp.max(stats.nash_residual, axis=1), diag)
             return x, ys + ((stats.res,) if return_residual_maps else ())
 
         if c.remat != "none":
@@ -357,7 +359,7 @@ class LanguageModel(eqx.Module):
             x, ys = jax.lax.scan(layer, x, params, unroll=c.scan_unroll)
         if leave:
             x = make_update(*x)
-        entropy, weights, residual, diag = ys[:4]  # [layers, B, T], [layers, B, L], [layers, B], [layers, B]
+        entropy, weights, residual, diag = ys[:4]  # [layers, B, T], [layers, B, T, L], [layers, B], [layers, B]
         h = self.collapse(x, streams_axis=0)  # [B, T, D]
         maps = None
         if return_residual_maps:  # [layers, 2, B, T, n, n] → [B, 2·layers, T, n, n]
@@ -365,9 +367,10 @@ class LanguageModel(eqx.Module):
         entropy = jnp.mean(entropy, axis=0)
         choice = choice_mask(seq, c.block_sizes)  # entropy is 0 elsewhere
         aux = jnp.sum(entropy, axis=-1) / max(int(choice.sum()), 1)
-        return h, ModelOutput(logits=h, aux_loss=aux, entropy=entropy, scale_weights=jnp.mean(weights, axis=0),
-                           nash_residual=jnp.max(residual, axis=0), res_diag=jnp.mean(diag, axis=0),
-                           residual_maps=maps)
+        return h, ModelOutput(logits=h, aux_loss=aux, entropy=entropy, scale_weights=jnp.mean(weights, axis=(0, 2)),
+                              layer_weights=rearrange(weights, "layers b t l -> b layers t l"),
+                              nash_residual=jnp.max(residual, axis=0), res_diag=jnp.mean(diag, axis=0),
+                              residual_maps=maps)
 
 
 def param_counts(config: ModelConfig) -> dict[str, int]:

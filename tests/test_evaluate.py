@@ -69,6 +69,30 @@ def test_training_logs_the_numbers_evaluate_reports(capsys, run):
 
 
 @pytest.mark.slow
+def test_every_log_and_evaluate_show_how_much_each_scale_carries(capsys, run):
+    """Every logged step of metrics.jsonl and TensorBoard, and evaluate's JSON line, carry each scale's mean
+    weight and prior per layer and averaged over layers, and the weights' distance from the prior
+    (nash_mhc.training.scale_use; their float64 reference: tests/test_scale_use.py); each layer's shares add
+    up to 1."""
+    layers, scales = range(2), range(3)  # the tiny preset
+    names = {"scale_tv", *(f"scale_tv/layer{i}" for i in layers)} | {
+        f"scale_{kind}/{where}{level}" for kind in ("weight", "prior") for level in scales
+        for where in ("", *(f"layer{i}/" for i in layers))}
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert len(train) >= 2
+    record = evaluate(capsys, run)
+    for shown in (*train, record):
+        assert {k for k in shown if k.startswith("scale_")} == names, shown
+        for kind in ("weight", "prior"):
+            for i in layers:
+                assert sum(shown[f"scale_{kind}/layer{i}/{level}"] for level in scales) == pytest.approx(1, abs=1e-5)
+        assert 0 <= shown["scale_tv"] <= 1
+    events = b"".join(p.read_bytes() for p in run.iterdir() if p.name.startswith("events.out.tfevents"))
+    assert b"scale_weight/layer1/2" in events and b"scale_prior/0" in events and b"train/scale_tv" in events
+
+
+@pytest.mark.slow
 def test_trained_model_beats_its_initialisation(capsys, run):
     trained = evaluate(capsys, run)
     untrained = evaluate(capsys, run, "--untrained")

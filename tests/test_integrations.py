@@ -97,7 +97,7 @@ def test_wandb_offline_holds_the_loss_history_and_the_resume_continues_the_run(r
     folders = sorted((run / "wandb").glob("offline-run-*"))
     assert len(folders) == 2  # the first run and the resumed one
     run_id = (run / "wandb_run_id").read_text().strip()
-    history = {}
+    history, scale_use = {}, []
     for folder in folders:
         records = wandb_records(next(folder.glob("run-*.wandb")))
         runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
@@ -109,8 +109,10 @@ def test_wandb_offline_holds_the_loss_history_and_the_resume_continues_the_run(r
                          for item in record.history.item}
                 if "train/loss" in items:
                     history[items["_step"]] = items["train/loss"]
+                    scale_use.append("scale_weight/layer1/2" in items and "train/scale_tv" in items)
     logged = losses(run)
     assert sorted(history) == list(range(1, 9))
+    assert scale_use and all(scale_use)  # W&B gets the scale use of every logged step, as TensorBoard does
     assert all(abs(history[s] - logged[s]) <= 1e-6 * abs(logged[s]) for s in logged)
 
 

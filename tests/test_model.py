@@ -274,7 +274,7 @@ def test_native_batch_equals_vmap_over_sequences(residual, attention):
     native = model(batch, return_residual_maps=True)
     mapped = jax.vmap(lambda t: model(t, return_residual_maps=True))(batch)
     single = model(batch[1], return_residual_maps=True)
-    for name in ("logits", "aux_loss", "scale_weights", "res_diag", "residual_maps"):
+    for name in ("logits", "aux_loss", "scale_weights", "layer_weights", "res_diag", "residual_maps"):
         got = np.asarray(getattr(native, name))
         assert got.shape == getattr(mapped, name).shape
         np.testing.assert_allclose(got, np.asarray(getattr(mapped, name)), rtol=1e-5, atol=1e-5, err_msg=name)

@@ -148,7 +148,7 @@ def test_training_makes_progress_and_logs(runs):
         assert m["learning_rate"] == pytest.approx(float(schedule(step)), rel=1e-6)
         assert m["loss"] == pytest.approx(m["ce_loss"] + MODEL.sparsity_weight * m["aux_loss"], rel=1e-6)
         assert 0.0 < m["aux_loss"] <= 1.0 and m["grad_norm"] > 0
-        scale_weights = [m[f"scale_weight_{level}"] for level in range(MODEL.num_scales)]
+        scale_weights = [m[f"scale_weight/{level}"] for level in range(MODEL.num_scales)]
         assert sum(scale_weights) == pytest.approx(1.0, abs=1e-5) and min(scale_weights) > 0
         assert 0.0 < m["res_diag"] <= 1.0
     assert metrics[0]["ce_loss"] == pytest.approx(math.log(MODEL.vocab_size), rel=0.05)
@@ -229,6 +229,21 @@ def test_eval_step_matches_dense_reference(runs):
         float(metrics["ce_loss"]) + MODEL.sparsity_weight * float(metrics["aux_loss"]), rel=1e-6)
 
 
+def test_the_step_logs_the_scale_use_of_its_batch(runs):
+    """The first step's scale-use metrics (tests/test_scale_use.py checks them against float64 NumPy) are
+    eval_step's of the model it started from on the batch it trained on, on one device and on (2, 2, 2): per
+    layer and averaged over them, for the weights and the prior, and the weights' distance from the prior."""
+    expected = {k: float(v) for k, v in eval_step(runs.base.model, runs.batches[0], mesh=mesh_for((1, 1, 1))).items()
+                if k.startswith("scale_")}
+    layers, scales = MODEL.num_layers, MODEL.num_scales
+    assert len(expected) == 2 * (scales + layers * scales) + 1 + layers
+    for shape in QUICK_MESHES:
+        got = runs[shape]["metrics"][0]
+        assert {k for k in got if k.startswith("scale_")} == set(expected), shape
+        for name, value in expected.items():
+            assert got[name] == pytest.approx(value, abs=1e-6), (shape, name)
+
+
 # -------------------------------------------------------------------------------- accumulation
 @pytest.mark.slow
 def test_grad_accumulation_equals_one_large_batch(runs):
@@ -239,6 +254,8 @@ def test_grad_accumulation_equals_one_large_batch(runs):
     ref = runs[(2, 2, 2)]["metrics"][0]
     for name in ("loss", "ce_loss", "aux_loss", "grad_norm", "tokens"):
         assert float(metrics[name]) == pytest.approx(ref[name], rel=1e-5, abs=0), name
+    scale_use = [name for name in ref if name.startswith("scale_")]  # sums over the microbatches, then means
+    assert scale_use and all(float(metrics[name]) == pytest.approx(ref[name], abs=1e-6) for name in scale_use)
     for a, b in zip(host(state.model), runs[(2, 2, 2)]["params"][1], strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 

@@ -296,6 +296,8 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
     (["--batch-size", "16", "--total-batch-tokens", "512"], "--total-batch-tokens 512 is not a multiple of"),
     (["--eval-steps", "0"], "--eval-steps must be a positive integer, got 0"),
     (["--lr-schedule-steps", "0"], "--lr-schedule-steps must be a positive integer, got 0"),
+    (["--scale-prior", "1.5"], "--scale-prior must be scale0, uniform or a number in (0, 1)"),
+    (["--scale-prior", "full"], "--scale-prior must be scale0, uniform or a number in (0, 1)"),
 ])
 def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys, argv, message):
     code, err = run_main([*argv, "--checkpoint-dir", str(tmp_path / "run")], capsys)

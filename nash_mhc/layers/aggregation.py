@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
+from nash_mhc.config import SCALE0_PRIOR_WEIGHT
 from nash_mhc.ops.aggregation import combine, gate_weights, nash_aggregate, normalised_entropy, prior_weights
 from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.params import param
@@ -33,13 +34,14 @@ class Aggregated(NamedTuple):
     residual: Float[Array, "*batch seq"]
 
 
-SCALE0_PRIOR_WEIGHT = 0.99  # softmax(b) of scale 0 at initialisation, where every scale is available
-
-
 def initial_prior(num_scales: int, weight: float = SCALE0_PRIOR_WEIGHT) -> jax.Array:
-    """Prior logits b = (beta, 0, ..., 0) with softmax(b)_0 = ``weight``: the multiscale model starts as full
-    attention (scale 0 alone) up to 1 - weight of each position's output, as mhc starts as the plain residual."""
-    beta = math.log(weight * (num_scales - 1) / (1.0 - weight))
+    """Prior logits b = (beta, 0, ..., 0) with softmax(b)_0 = ``weight`` where every scale is available (the
+    coarse scales share the rest equally; ``ModelConfig.scale_prior``). The default, 0.99: the multiscale model
+    starts as full attention (scale 0 alone) up to 1 % of each position's output, as mhc starts as the plain
+    residual; ``weight`` 1 / num_scales gives b = 0 exactly (uniform over the available scales)."""
+    if not 0.0 < weight < 1.0:
+        raise ValueError(f"the prior weight of scale 0 must be in (0, 1), got {weight!r}")
+    beta = 0.0 if math.isclose(weight * num_scales, 1.0) else math.log(weight * (num_scales - 1) / (1.0 - weight))
     return jnp.zeros((num_scales,), jnp.float32).at[0].set(beta)
 
 
@@ -51,10 +53,11 @@ class ScaleAggregation(eqx.Module):
     ``gate``: softmax(b + W o(O)), input-dependent per position, W [L, L, D] zero-initialised (so it starts at the
     prior): the baseline for ``nash`` that learns from the same outputs without a game. ``convex``: softmax(b)
     alone, masked to the available scales (a constant per layer). b starts at :func:`initial_prior` (scale 0
-    weighs :data:`SCALE0_PRIOR_WEIGHT`). All rematerialise in the backward pass (only the outputs are kept). The
-    outputs come as L separate [..., T, D] arrays, never stacked (:mod:`nash_mhc.ops.aggregation`); the first may
-    be a multi-head output [B, T, H, K]: ``nash`` reads it as it is (its TPU kernels, head-major) and returns
-    ``output`` in that shape, ``gate`` and ``convex`` reshape it to rows [B, T, D].
+    weighs ``scale0_weight`` where every scale is available). All rematerialise in the backward pass (only the
+    outputs are kept). The outputs come as L separate [..., T, D] arrays, never stacked
+    (:mod:`nash_mhc.ops.aggregation`); the first may be a multi-head output [B, T, H, K]: ``nash`` reads it as it
+    is (its TPU kernels, head-major) and returns ``output`` in that shape, ``gate`` and ``convex`` reshape it to
+    rows [B, T, D].
     """
 
     prior: Float[Array, "scales"] = param("coefficient", "scales", group="aggregation_prior")
@@ -64,8 +67,9 @@ class ScaleAggregation(eqx.Module):
     mode: str = eqx.field(static=True)
     num_iters: int = eqx.field(static=True)
 
-    def __init__(self, num_scales: int, mode: str, *, num_iters: int, temperature: float, dim: int):
-        self.prior = initial_prior(num_scales)
+    def __init__(self, num_scales: int, mode: str, *, num_iters: int, temperature: float, dim: int,
+                 scale0_weight: float = SCALE0_PRIOR_WEIGHT):
+        self.prior = initial_prior(num_scales, scale0_weight)
         self.log_temperature = jnp.asarray(math.log(temperature), jnp.float32) if mode == "nash" else None
         self.gate = jnp.zeros((num_scales, num_scales, dim), jnp.float32) if mode == "gate" else None
         self.mode = mode

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Float, Int, jaxtyped
 
+from nash_mhc.config import SCALE0_PRIOR_WEIGHT
 from nash_mhc.layers.aggregation import ScaleAggregation
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
 from nash_mhc.ops.attention import causal_attention, cudnn_causal_attention, cudnn_usable
@@ -66,7 +67,8 @@ class MultiscaleAttention(eqx.Module):
     attention logits start at the fine scale's RMS instead of ~1/s_l of it), queries/keys use that scale's
     own projections and RoPE with spacing s_l, attention is causal over coarse indices, and the result is
     upsampled *shifted*: fine position i reads the last block complete at i. Outputs of the available scales
-    are aggregated per position (:class:`ScaleAggregation`), then one output projection is applied.
+    are aggregated per position (:class:`ScaleAggregation`, its prior starting at ``scale0_weight`` on scale 0),
+    then one output projection is applied.
     Shapes: x [B, T, D] → (y [B, T, D], weights [B, T, L], entropy [B, T], Nash residual [B, T]).
     """
 
@@ -83,7 +85,7 @@ class MultiscaleAttention(eqx.Module):
 
     def __init__(self, dim: int, num_heads: int, block_sizes: tuple[int, ...], *, num_layers: int,
                  aggregation: str, nash_iters: int, nash_temperature: float, rope_theta: float, dtype: str,
-                 key: jax.Array, norm_eps: float = 1e-6):
+                 key: jax.Array, norm_eps: float = 1e-6, scale0_weight: float = SCALE0_PRIOR_WEIGHT):
         head_dim = dim // num_heads
         scales = len(block_sizes)
         kq, kk, kv, ko = jax.random.split(key, 4)
@@ -93,7 +95,7 @@ class MultiscaleAttention(eqx.Module):
         self.wo = normal(ko, (num_heads, head_dim, dim), output_std(num_layers))
         self.down = tuple(jnp.full((s, dim), 1.0 / s, jnp.float32) for s in block_sizes[1:])
         self.aggregation = (ScaleAggregation(scales, aggregation, num_iters=nash_iters, temperature=nash_temperature,
-                                             dim=dim) if scales > 1 else None)
+                                             dim=dim, scale0_weight=scale0_weight) if scales > 1 else None)
         self.block_sizes = tuple(block_sizes)
         self.rope_theta = rope_theta
         self.norm_eps = norm_eps

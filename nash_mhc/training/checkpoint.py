@@ -69,10 +69,22 @@ def with_arrays(template: PyTree, arrays: dict[str, Any]) -> PyTree:
     return eqx.combine(jax.tree.unflatten(treedef, new), static)
 
 
+# ModelConfig fields added within a model format, with the value that a checkpoint saved before them implies.
+IMPLIED_FIELDS = {"scale_prior": "scale0"}
+
+
+def saved_model_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's saved model config with the fields it predates at the values it implies
+    (:data:`IMPLIED_FIELDS`)."""
+    return {**IMPLIED_FIELDS, **saved}
+
+
 def config_differences(saved: dict[str, Any], current: ModelConfig) -> list[str]:
     """Names of the architecture fields whose values differ, and of saved fields this version does not have
-    (runtime-only fields are ignored)."""
+    (runtime-only fields are ignored). A field the checkpoint predates counts at its implied value
+    (:func:`saved_model_config`); any other field it lacks is not compared."""
     runtime = {"remat", "remat_group", "scan_unroll"}
+    saved = saved_model_config(saved)
     now = dataclasses.asdict(current)
     changed = [k for k in now if k not in runtime and k in saved and saved[k] != now[k]]
     return sorted(changed + [k for k in saved if k not in now])

@@ -24,7 +24,8 @@ from nash_mhc.training.step import eval_step
 class EvalResult:
     """loss: mean cross-entropy per predicted token (nats); perplexity = exp(loss); bits_per_byte = total nats /
     ln 2 / bytes; aux_loss: mean aggregation-entropy term; tokens and bytes predicted, batches read (from batch
-    ``first_batch`` on)."""
+    ``first_batch`` on); scale_use: the scale-use metrics over every predicted token (with several attention
+    scales; :mod:`nash_mhc.training.scale_use`), flat beside the others in :meth:`to_dict`."""
 
     loss: float
     perplexity: float
@@ -34,9 +35,12 @@ class EvalResult:
     bytes: int
     batches: int
     first_batch: int = 0
+    scale_use: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, float | int]:
-        return dataclasses.asdict(self)
+        record = dataclasses.asdict(self)
+        scale_use = record.pop("scale_use")
+        return {**record, **scale_use}
 
 
 def batch_range(num_windows: int, batch_size: int, first_batch: int, num_batches: int | None) -> range:
@@ -65,6 +69,7 @@ def evaluate(model: LanguageModel, dataset: PackedDataset, tokenizer: Tokenizer,
     count = len(batches)
     nats = aux = 0.0
     tokens = num_bytes = 0
+    scale_use: dict[str, float] = {}  # Σ over batches of tokens x the batch's metric: the mean over every token
     for i in batches:
         arrays = dataset.arrays_at(i, global_batch=batch_size, process_index=jax.process_index(),
                                    process_count=jax.process_count())
@@ -72,9 +77,12 @@ def evaluate(model: LanguageModel, dataset: PackedDataset, tokenizer: Tokenizer,
         nats += float(metrics["ce_loss"]) * float(metrics["tokens"])
         aux += float(metrics["aux_loss"]) / count
         tokens += int(metrics["tokens"])
+        for name in (k for k in metrics if k.startswith("scale_")):
+            scale_use[name] = scale_use.get(name, 0.0) + float(metrics[name]) * float(metrics["tokens"])
         targets, mask = dataset.batch_at(i, global_batch=batch_size)[:, 1:], dataset.mask_at(i, global_batch=batch_size)
         num_bytes += count_bytes(tokenizer, targets if mask is None else np.where(mask > 0, targets, tokenizer.pad_id))
     loss = nats / max(tokens, 1)
     return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)),
                       bits_per_byte=nats / math.log(2) / max(num_bytes, 1), aux_loss=aux, tokens=tokens,
-                      bytes=num_bytes, batches=count, first_batch=first_batch)
+                      bytes=num_bytes, batches=count, first_batch=first_batch,
+                      scale_use={name: total / max(tokens, 1) for name, total in scale_use.items()})

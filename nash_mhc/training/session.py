@@ -21,7 +21,13 @@ from nash_mhc.data import DataConfig, NoWindows, PackedDataset, Tokenizer, open_
 from nash_mhc.data.windows import skipped_text
 from nash_mhc.model import describe
 from nash_mhc.sharding import MeshConfig, batch_shards, sharding_summary
-from nash_mhc.training.checkpoint import Checkpointer, CheckpointError, config_differences, find_checkpoint
+from nash_mhc.training.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    config_differences,
+    find_checkpoint,
+    saved_model_config,
+)
 from nash_mhc.training.config import RunConfig, TrainConfig
 from nash_mhc.training.logger import RunLogger
 from nash_mhc.training.optim import make_schedule
@@ -148,7 +154,7 @@ def _restore(configs: Configs, identity: dict[str, Any], state: TrainState, sour
 
     def attempt(step: int) -> tuple[dict[str, Any], TrainState]:
         meta = source.read_meta(step)
-        saved = meta.get("model_config", {})
+        saved = saved_model_config(meta.get("model_config", {}))
         differ = config_differences(saved, model_config)
         if differ:
             detail = ", ".join(f"{k}: checkpoint {saved[k]!r} vs now {getattr(model_config, k, 'no such field')!r}"

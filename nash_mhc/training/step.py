@@ -44,6 +44,7 @@ from nash_mhc.ops.multiscale import choice_mask
 from nash_mhc.params import map_declared
 from nash_mhc.sharding import BATCH_AXES, TP, batch_shards, batch_spec, constrain, make_mesh, shard_batch
 from nash_mhc.training.optim import current_learning_rate
+from nash_mhc.training.scale_use import scale_use_metrics, scale_use_sums
 from nash_mhc.training.state import Batch, TrainState
 
 Metrics = dict[str, Float[Array, ""]]
@@ -197,8 +198,9 @@ def forward_terms(model: LanguageModel, inputs: Int[Array, "batch seq"], targets
 
     ``loss_chunks`` > 1 computes the LM head and cross-entropy a slice of the positions at a time
     (:func:`chunked_loss_terms`); 1 is the plain full-logits loss.
-    diagnostics (gradient-free): ``scale_weights`` [L] batch means of the aggregation weight of every
-    scale, ``res_diag`` the mean diagonal of H_res, ``nash_residual`` the largest equilibrium residual.
+    diagnostics (gradient-free): ``scale_use`` the sums behind the scale-use metrics
+    (:func:`~nash_mhc.training.scale_use.scale_use_sums`), ``res_diag`` the mean diagonal of H_res,
+    ``nash_residual`` the largest equilibrium residual.
     """
     if loss_chunks == 1:
         out = model(inputs)  # native batch: [B, T] → logits [B, T, V]
@@ -208,7 +210,7 @@ def forward_terms(model: LanguageModel, inputs: Int[Array, "batch seq"], targets
         h, out = model.features(inputs)  # [B, T, D]: the logits are made chunk by chunk
         ce_sum, count, aux_sum = chunked_loss_terms(model, h, targets, mask, out.entropy, aux_weights(mask, model),
                                                     mesh, loss_chunks)
-    diagnostics = {"scale_weights": jnp.mean(out.scale_weights, axis=0), "res_diag": jnp.mean(out.res_diag),
+    diagnostics = {"scale_use": scale_use_sums(out.layer_weights, mask, model), "res_diag": jnp.mean(out.res_diag),
                    "nash_residual": jnp.max(out.nash_residual)}
     return ce_sum, count, aux_sum, jax.lax.stop_gradient(diagnostics)
 
@@ -312,11 +314,11 @@ def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
 def diagnostic_metrics(diagnostics: dict[str, jax.Array], model: LanguageModel) -> Metrics:
     """Scalar metrics from the per-microbatch diagnostics [k, ...] of :func:`forward_terms` and the model.
 
-    scale_weight_<l> and res_diag: means over microbatches; nash_residual: their maximum; nash_temperature:
-    the learned temperature tau averaged over layers (only for the Nash aggregation).
+    The scale-use metrics (:mod:`nash_mhc.training.scale_use`) of the whole batch; res_diag: the mean over
+    microbatches; nash_residual: their maximum; nash_temperature: the learned temperature tau averaged over layers
+    (only for the Nash aggregation).
     """
-    weights = jnp.mean(diagnostics["scale_weights"], axis=0)
-    metrics = {f"scale_weight_{level}": weights[level] for level in range(weights.shape[0])}
+    metrics = scale_use_metrics(jax.tree.map(lambda a: jnp.sum(a, axis=0), diagnostics["scale_use"]))
     metrics["res_diag"] = jnp.mean(diagnostics["res_diag"])
     metrics["nash_residual"] = jnp.max(diagnostics["nash_residual"])
     temperatures = model.nash_temperatures()
@@ -351,10 +353,10 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     Metrics (replicated float32 scalars): loss (= ce_loss + sparsity_weight·aux_loss), ce_loss (token-
     weighted mean over the global batch), aux_loss (the sparsity term, mask-weighted over the positions
     with a choice of scales), grad_norm (before clipping), learning_rate (used by this step), tokens
-    (Σ loss_mask), skipped (1 if the update was skipped), scale_weight_<l> (mean aggregation weight of
-    scale l), res_diag (mean diagonal of H_res), nash_residual (largest equilibrium residual max_l
-    |w - BR(w)| over positions, layers and microbatches) and, for the Nash aggregation, nash_temperature
-    (the learned tau averaged over layers).
+    (Σ loss_mask), skipped (1 if the update was skipped), with several attention scales scale_weight/<l>,
+    scale_prior/<l>, scale_tv and their per-layer values (:mod:`nash_mhc.training.scale_use`), res_diag (mean
+    diagonal of H_res), nash_residual (largest equilibrium residual max_l |w - BR(w)| over positions, layers and
+    microbatches) and, for the Nash aggregation, nash_temperature (the learned tau averaged over layers).
     Host arrays in ``batch`` are placed with :func:`nash_mhc.sharding.shard_batch`.
     """
     _check_batch(batch, state.mesh, state.train_config.grad_accum_steps, state.train_config.loss_chunks)
@@ -372,15 +374,17 @@ def _eval_step(model: LanguageModel, batch: Batch, mesh: Mesh) -> Metrics:
     tokens = jax.lax.with_sharding_constraint(jnp.asarray(batch.tokens), NamedSharding(mesh, batch_spec(2)))
     mask = jax.lax.with_sharding_constraint(_mask_of(batch), NamedSharding(mesh, batch_spec(2)))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the model pins its activations' batch dim
-        ce_sum, count, aux_sum, _ = forward_terms(model, tokens[:, :-1], tokens[:, 1:], mask, mesh)
+        ce_sum, count, aux_sum, diagnostics = forward_terms(model, tokens[:, :-1], tokens[:, 1:], mask, mesh)
     ce_loss = ce_sum / jnp.maximum(count, 1.0)
     aux_loss = aux_sum / jnp.maximum(global_token_count(aux_weights(mask, model), mesh), 1.0)
     loss = ce_loss + model.config.sparsity_weight * aux_loss
-    return {"loss": loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "tokens": count}
+    return {"loss": loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "tokens": count,
+            **scale_use_metrics(diagnostics["scale_use"])}
 
 
 def eval_step(model: LanguageModel, batch: Batch, *, mesh: Mesh | None = None) -> Metrics:
-    """Loss metrics of ``model`` on ``batch`` (no update): loss, ce_loss, aux_loss, tokens.
+    """Loss metrics of ``model`` on ``batch`` (no update): loss, ce_loss, aux_loss, tokens and, with several
+    attention scales, the scale-use metrics (:mod:`nash_mhc.training.scale_use`).
 
     ``mesh`` (where the batch is split) defaults to the ambient mesh (``jax.set_mesh``; the training program
     sets its mesh once for the run), else to :func:`make_mesh`'s default: every device along ``data``.
