@@ -261,3 +261,11 @@ class ModelConfig(ConfigMethods):
         weights = self.num_layers * (attention + 3 * D * self.ffn_hidden + hc + gate) + self.vocab_size * D
         attn = sum(6 * D * (T / s) ** 2 / T for s in self.block_sizes)
         return 6.0 * weights + self.num_layers * attn
+
+    def flops_per_token_all(self, seq_len: int | None = None) -> float:
+        """Every arithmetic op of the train step per token, forward + backward (:mod:`nash_mhc.flops`: Sinkhorn,
+        the stream collapse and update, norms, softmax, resampling, the Nash solve at ``nash_iters``, attention as
+        computed): for "equal FLOPs" comparisons; :meth:`flops_per_token` stays the MFU's matmul count."""
+        from nash_mhc.flops import flops_per_token_all
+
+        return flops_per_token_all(self, seq_len)

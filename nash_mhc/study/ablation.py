@@ -180,11 +180,14 @@ def train_command(settings: Settings, run: Run, checkpoint_dir: Path, args: argp
 
 def flops_steps(settings: Settings, variants: list[str], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Per variant: its FLOPs per token F_v and equal-FLOPs step s_v = floor(S * F_base / F_v) (at most S; the
-    first variant is the baseline)."""
-    flops = {v: resolved_configs(train_command(settings, Run(v, 1.0, 0), Path("unused"), args, settings.steps))
-             .model.flops_per_token() for v in variants}
+    first variant is the baseline), and beside F_v the count of every op, ``flops_per_token_all`` (recorded; the
+    steps still follow F_v)."""
+    models = {v: resolved_configs(train_command(settings, Run(v, 1.0, 0), Path("unused"), args, settings.steps)).model
+              for v in variants}
+    flops = {v: m.flops_per_token() for v, m in models.items()}
     base = flops[variants[0]]
-    return {v: {"flops_per_token": f, "step": max(1, min(settings.steps, math.floor(settings.steps * base / f))),
+    return {v: {"flops_per_token": f, "flops_per_token_all": models[v].flops_per_token_all(),
+                "step": max(1, min(settings.steps, math.floor(settings.steps * base / f))),
                 "cheaper_than_baseline": f < base} for v, f in flops.items()}
 
 
@@ -218,7 +221,8 @@ def summarise(settings: Settings, run: Run, child: ChildRun, evals: dict[str, di
         "equal_flops_bits_per_byte": bpb("report" if flops_step == settings.steps else "report_flops"),
         "evaluations": evals, "travel": travel(records),
         "final_train_loss": sum(tail) / len(tail) if tail else None, "last_step": child.last_step(),
-        "params": num_params(config), "flops_per_token": config.flops_per_token(), "tokens_per_step": tokens_per_step,
+        "params": num_params(config), "flops_per_token": config.flops_per_token(),
+        "flops_per_token_all": config.flops_per_token_all(), "tokens_per_step": tokens_per_step,
         "tokens_trained": settings.steps * tokens_per_step, "step_time_s": median_step_time(records),
         "wall_s": child.wall_s(), "sessions": len(child.sessions()),
         "curve": [[r["step"], r["loss"]] for r in records],

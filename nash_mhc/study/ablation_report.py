@@ -61,6 +61,7 @@ def variant_rows(variants: list[str], costs: dict[str, dict[str, Any]], chosen: 
             "per_seed": [{k: r[k] for k in ("seed", "bits_per_byte", "equal_flops_bits_per_byte", "travel",
                                             "final_train_loss")} for r in ok],
             "params": ok[0]["params"] if ok else None, "flops_per_token": costs[v]["flops_per_token"],
+            "flops_per_token_all": costs[v].get("flops_per_token_all"),  # every op (absent in older studies)
             "step_time_s": mean_std([r["step_time_s"] for r in done if r["step_time_s"] is not None]),
             "wall_s": mean_std([r["wall_s"] for r in done]),
         })
