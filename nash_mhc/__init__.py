@@ -13,6 +13,7 @@ from nash_mhc import decoding, ops, training  # noqa: E402
 from nash_mhc.config import ModelConfig  # noqa: E402
 from nash_mhc.decoding import generate_tokens  # noqa: E402
 from nash_mhc.model import Block, LanguageModel, ModelOutput  # noqa: E402
+from nash_mhc.ops.dispatch import use_kernels  # noqa: E402
 from nash_mhc.sharding import MeshError, make_mesh  # noqa: E402
 from nash_mhc.training import TrainConfig  # noqa: E402
 
@@ -28,7 +29,7 @@ def load_exported(directory: str, *, device: object = None) -> LanguageModel:
 
 __all__ = ["Block", "LanguageModel", "MeshError", "ModelConfig", "ModelOutput", "TrainConfig", "make_mesh", "ops",
            "training", "__version__"]
-__all__ += ["decoding", "generate_tokens", "load_exported"]
+__all__ += ["decoding", "generate_tokens", "load_exported", "use_kernels"]
 
 
 def __getattr__(name: str) -> object:

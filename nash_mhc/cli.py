@@ -192,12 +192,14 @@ class Checkpoint:
 
 def checkpoint_program_parser(prog: str, doc: str, settings: type) -> SettingsParser:
     """The flags of a program that loads a trained model (generate, evaluate): which checkpoint, the program's
-    own ``settings``, the mesh (``--mesh-*``: none given = one device) and the compile cache. A flag every such
+    own ``settings``, the mesh (``--mesh-*``: none given = one device), the compile cache and ``--kernels``
+    (:class:`nash_mhc.execution.ExecutionConfig`, which the program runs its steps under). A flag every such
     program gains is added here, once."""
+    from nash_mhc.execution import ExecutionConfig
     from nash_mhc.sharding import MeshConfig
 
     parser = SettingsParser(prog, doc)
-    for cls in (Checkpoint, settings, CompileCache):
+    for cls in (Checkpoint, settings, CompileCache, ExecutionConfig):
         parser.add_settings(cls)
     parser.add_settings(MeshConfig, "mesh (default: one device; any --mesh-* flag: that mesh over all devices, "
                                     "parameters sharded as in training)", prefix="mesh-")

@@ -62,6 +62,7 @@ def build_parser() -> SettingsParser:
 
 def main(argv: list[str] | None = None) -> int:
     from nash_mhc.data import DataConfig, NoWindows, open_windows
+    from nash_mhc.execution import ExecutionConfig
     from nash_mhc.inference import load_from_flags
     from nash_mhc.sharding import batch_shards
     from nash_mhc.training.evaluation import batch_range, evaluate
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         config, loaded = load_from_flags(parser, argv, EvaluateConfig)
+        execution = parser.build(ExecutionConfig, parser.given(argv))
         data_config = loaded.data_config()
         if config.dataset not in (None, data_config.dataset):
             data_config = DataConfig(dataset=config.dataset, tokenizer=data_config.tokenizer)
@@ -86,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         batch_range(data.num_windows, batch_size, config.first_batch, config.num_batches)  # --first-batch fits
     except (ValueError, FileNotFoundError, PermissionError) as error:
         return fail(error)
-    result = evaluate(loaded.model, data, loaded.tokenizer, batch_size=batch_size,
-                      num_batches=config.num_batches, first_batch=config.first_batch, mesh=loaded.mesh)
+    with execution.use():  # --kernels
+        result = evaluate(loaded.model, data, loaded.tokenizer, batch_size=batch_size,
+                          num_batches=config.num_batches, first_batch=config.first_batch, mesh=loaded.mesh)
     record = {**result.to_dict(), "step": loaded.step, "dataset": data_config.dataset, "split": config.part,
               "window_seed": window_seed}
     not_finite = sorted(k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v))

@@ -85,10 +85,13 @@ class TextStream:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from nash_mhc.execution import ExecutionConfig
     from nash_mhc.inference import load_from_flags
 
+    parser = build_parser()
     try:
-        config, loaded = load_from_flags(build_parser(), argv, GenerateConfig)
+        config, loaded = load_from_flags(parser, argv, GenerateConfig)
+        execution = parser.build(ExecutionConfig, parser.given(argv))
         tokenizer, context = loaded.tokenizer, loaded.config.seq_len
         ids = tokenizer.encode(config.prompt) if config.prompt else np.asarray([tokenizer.eos_id], np.int32)
         if len(ids) >= context:
@@ -106,10 +109,12 @@ def main(argv: list[str] | None = None) -> int:
             print("--- sample 1 ---")
         sys.stdout.write(config.prompt)
         stream = TextStream(tokenizer)
-        tokens = generate_tokens(loaded.model, ids, max_new_tokens=new_tokens, temperature=config.temperature,
-                           top_k=config.top_k, top_p=config.top_p, key=config.seed, num_samples=config.num_samples,
-                           use_cache=config.cache, eos_id=None if config.ignore_eos else tokenizer.eos_id,
-                           callback=lambda _, new: stream.add(new[0]))
+        with execution.use():  # --kernels
+            tokens = generate_tokens(loaded.model, ids, max_new_tokens=new_tokens, temperature=config.temperature,
+                                     top_k=config.top_k, top_p=config.top_p, key=config.seed,
+                                     num_samples=config.num_samples, use_cache=config.cache,
+                                     eos_id=None if config.ignore_eos else tokenizer.eos_id,
+                                     callback=lambda _, new: stream.add(new[0]))
         stream.close()
         print()
         for i in range(1, config.num_samples):

@@ -28,7 +28,7 @@ from nash_mhc.layers.hyperconnection import (
 )
 from nash_mhc.layers.init import EMBED_STD, normal
 from nash_mhc.layers.norm import RMSNorm
-from nash_mhc.ops.dispatch import settled_platform
+from nash_mhc.ops.dispatch import tpu_kernels
 from nash_mhc.ops.matmul import f32_einsum
 from nash_mhc.ops.multiscale import choice_mask
 from nash_mhc.ops.stream_copies import slab_sum, stream_copies, stream_sum
@@ -279,7 +279,7 @@ class LanguageModel(eqx.Module):
         constraints only added to the estimate (`1b` plain + full on v6e-8: 626.6 → 627.6 ms at fsdp 8, 627.1 →
         629.2 ms at data 2 x fsdp 4), so a step lowered for TPU keeps the lookup unconstrained."""
         rows = self.embedding[tokens].astype(self.config.dtype)
-        return rows_to_batch(rows) if tokens.ndim > 1 and settled_platform() != "tpu" else rows
+        return rows_to_batch(rows) if tokens.ndim > 1 and not tpu_kernels() else rows
 
     def unembed(self, x: Float[Array, "*batch seq n dim"]) -> Float[Array, "*batch seq vocab"]:
         """Collapse the streams (sum), final norm and LM head: logits [..., T, V], padded columns -1e30."""

@@ -20,8 +20,9 @@ abstract devices (needs libtpu, the ``tpu`` extra; no TPU), and prints the memor
 
 Every flag is generated from one field declaration (:mod:`nash_mhc.settings`): the model flags from
 ``ModelConfig`` (default: the preset's value), then ``DataConfig``, ``TrainConfig``, ``MeshConfig``
-(``--mesh-*``), ``RunConfig``, ``CompileCache``, ``WandbConfig``, ``ProfileConfig`` and :class:`Program`
-below. To add a flag, declare a field with ``setting(default, help)`` in the config it belongs to.
+(``--mesh-*``), ``RunConfig``, ``CompileCache``, ``ExecutionConfig`` (``--kernels``), ``WandbConfig``,
+``ProfileConfig`` and :class:`Program` below. To add a flag, declare a field with ``setting(default, help)`` in
+the config it belongs to.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 from nash_mhc.cli import CompileCache, SettingsParser, fail
 from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig
+from nash_mhc.execution import ExecutionConfig
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 from nash_mhc.sharding import MeshConfig
 from nash_mhc.training.config import MEMORY_DEFAULTS, RunConfig, TrainConfig
@@ -89,6 +91,7 @@ def build_parser() -> SettingsParser:
     parser.add_settings(MeshConfig, "mesh", prefix="mesh-")
     parser.add_settings(RunConfig, "run")
     parser.add_settings(CompileCache, "run")
+    parser.add_settings(ExecutionConfig, "run")
     parser.add_settings(WandbConfig, "Weights & Biases")
     parser.add_settings(ProfileConfig, "run")
     parser.add_settings(CompileOnly, "compile-only")
@@ -159,9 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         run_configs, cache = configs(argv, parser)
         given = parser.given(argv)
         options, wandb_config = parser.build(CompileOnly, given), parser.build(WandbConfig, given)
-        profile = parser.build(ProfileConfig, given)
+        profile, execution = parser.build(ProfileConfig, given), parser.build(ExecutionConfig, given)
     except ValueError as error:
         return fail(error)
+    with execution.use():  # the steps (train, eval; or the compile) are traced under --kernels
+        return _run(run_configs, cache, options, wandb_config, profile)
+
+
+def _run(run_configs: Configs, cache: CompileCache, options: CompileOnly, wandb_config: WandbConfig,
+         profile: ProfileConfig) -> int:
     if options.compile_only:  # (no persistent cache: what is measured is a compile)
         return compile_only(run_configs, options)
 

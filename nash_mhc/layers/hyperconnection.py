@@ -54,7 +54,7 @@ from einops import rearrange
 from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
-from nash_mhc.ops.dispatch import platform_dependent, settled_platform
+from nash_mhc.ops.dispatch import platform_dependent, tpu_kernels
 from nash_mhc.ops.sinkhorn import sinkhorn
 from nash_mhc.ops.stream_collapse import PreWeights, collapse_streams, stream_stats, weighted_sum
 from nash_mhc.ops.stream_mix import SHARD_AXES, mix_blocks, stream_mix
@@ -240,13 +240,13 @@ def identity_update(tokens: int, streams: int, dim: int, dtype: jnp.dtype) -> Up
 
 def leaves_updates(mode: str, tokens: int, dim: int) -> bool:
     """Whether a stack of :func:`connect_pair` calls on [n, tokens, dim] streams leaves each pair's last update to
-    the next pair's first collapse: for mhc / mhc-lite lowered for TPU (:func:`settled_platform`) with the kernels'
+    the next pair's first collapse: for mhc / mhc-lite lowered for TPU (:func:`tpu_kernels`) with the kernels'
     token tiles (:func:`mix_blocks`), where each update is then made inside the next collapse's kernel, whose
     operand y has the streams' dtype as stream_mix's kernel's has: the same bits. Elsewhere each pair makes its own
     last update: in XLA's forms a y carried across the layer scan is rounded to its dtype where one sublayer's
     program may keep it in float32 (XLA CPU's excess precision), so the bfloat16 full forward would no longer give
     cached decoding's numbers (which makes each update within its sublayer)."""
-    return mode in MHC_MODES and settled_platform() == "tpu" and mix_blocks(tokens, dim) is not None
+    return mode in MHC_MODES and tpu_kernels() and mix_blocks(tokens, dim) is not None
 
 
 def connect_pair(xs: Float[Array, "n seq dim"], first: tuple[HyperConnection, Sublayer, RMSNorm | None],

@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.dispatch import pallas_call
 from nash_mhc.ops.stream_mix import mix_blocks
 from nash_mhc.ops.tpu_tiles import LANES
 from nash_mhc.sharding import per_shard
@@ -238,7 +239,7 @@ def _run(kernel, xla, arrays, small, out, reduce, *, blocks, interpret, cost) ->
                                                     if small is not None else [])
     out_specs = [pl.BlockSpec((tm, o.shape[1]), lambda t, d: (t, 0)) if reduce else tile(len(o.shape) == 4)
                  for o in out]
-    result = pl.pallas_call(
+    result = pallas_call(
         kernel, grid=(tokens // tm, dim // td), in_specs=specs, out_specs=out_specs, out_shape=list(out),
         cost_estimate=cost(arrays), interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary" if reduce else "parallel"))

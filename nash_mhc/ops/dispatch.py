@@ -15,6 +15,11 @@ the others'. Those zeros are made outside any mesh annotation, so unsharded: in 
 the XLA downsampling's residual became a bf16[32, 512, 4, 2048] zero of the global batch on every chip, 1.7 % of
 the step's estimate (docs/tpu.md). :func:`platform_vjp` saves the operands instead and chooses again in the
 backward pass, between the two forms' own VJPs.
+
+The ``kernels`` setting (:func:`use_kernels`: ``auto``, ``xla``, ``pallas``) is the one place that can overrule
+these choices: ``auto`` is the above; ``xla`` takes every function's default (XLA) form on every platform, and
+:func:`tpu_kernels`, which the TPU-only paths outside ``platform_dependent`` ask, says no; ``pallas`` takes the TPU
+form on every platform, run in Pallas' interpreter where the step is not lowered for a TPU (:func:`pallas_call`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.experimental import pallas as pl
 
 # The abstract mesh's platform names the lowering platform; a GPU's is "gpu", which platform_dependent splits into
 # "cuda" and "rocm", so it settles the choice only for functions with neither branch.
@@ -30,6 +36,9 @@ _GPU_BRANCHES = ("cuda", "rocm")
 # lowering_platform's value: a context of JAX's jit and trace caches (a trace made under one platform is never
 # reused under another, nor under none, e.g. a module-level jax.checkpoint's cached jaxpr).
 _LOWERING_PLATFORM = jax.make_user_context(None)
+KERNELS = ("auto", "xla", "pallas")  # use_kernels' values
+# use_kernels' value: a context of JAX's jit and trace caches as _LOWERING_PLATFORM is.
+_KERNELS = jax.make_user_context("auto")
 
 
 def _mesh_device() -> Any:
@@ -68,6 +77,42 @@ def lowering_platform(platform: str | None) -> Any:
     return _LOWERING_PLATFORM(platform)
 
 
+def use_kernels(kernels: str) -> Any:
+    """A context manager: within it, the steps run with the ``kernels`` setting, one of :data:`KERNELS`. ``auto``:
+    the Pallas kernels where the step is lowered for a TPU, XLA elsewhere; ``xla``: XLA's forms on every platform
+    (no Pallas kernel, no TPU-only path); ``pallas``: the TPU kernels on every platform, in Pallas' interpreter
+    where the step is not lowered for a TPU (slow: for tests). Part of the key of JAX's jit and trace caches. A
+    setting of how the step runs, not of the model: the parameters are the same under every value."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    return _KERNELS(kernels)
+
+
+def kernels_setting() -> str:
+    """The :func:`use_kernels` value in force ("auto" outside any)."""
+    return _KERNELS.value
+
+
+def tpu_kernels() -> bool:
+    """Whether the step takes the TPU kernels' paths that are chosen while it is traced (outside
+    :func:`platform_dependent`, e.g. a layout that only the kernels want): under ``auto`` where
+    :func:`settled_platform` is "tpu", under ``pallas`` always, under ``xla`` never."""
+    kernels = _KERNELS.value
+    return kernels == "pallas" or (kernels == "auto" and settled_platform() == "tpu")
+
+
+def interpreting() -> bool:
+    """Whether :func:`pallas_call` runs its kernel in Pallas' interpreter: under ``pallas`` where the step is not
+    lowered for a TPU (:func:`settled_platform`, else JAX's default backend)."""
+    return _KERNELS.value == "pallas" and (settled_platform() or jax.default_backend()) != "tpu"
+
+
+def pallas_call(kernel: Callable[..., Any], *, interpret: bool = False, **options: Any) -> Any:
+    """``pl.pallas_call(kernel, **options)``, in Pallas' interpreter with ``interpret`` or :func:`interpreting`:
+    every kernel of the package is called through it."""
+    return pl.pallas_call(kernel, interpret=interpret or interpreting(), **options)
+
+
 def platform_of(tree: Any) -> str | None:
     """The platform a jit of ``tree``'s arrays runs on: its committed arrays' (None if on several platforms), else
     the default device's (``jax.default_device``, else the default backend); None if ``tree`` holds a tracer."""
@@ -88,7 +133,11 @@ def platform_dependent(*args: Any, default: Callable[..., Any] | None = None, **
     """``jax.lax.platform_dependent(*args, default=default, **per_platform)``, tracing only the branch of the
     ambient mesh's platform (or, where no mesh names one, :func:`lowering_platform`'s) where it settles the choice
     (the same branch that lowering would pick); else every branch, chosen when the program is lowered
-    (``jax.export`` for several platforms, a model called by a bare jit)."""
+    (``jax.export`` for several platforms, a model called by a bare jit). Under :func:`use_kernels` ``xla``
+    always ``default``'s branch, under ``pallas`` always ``tpu``'s (where there is one)."""
+    kernels = _KERNELS.value
+    if kernels != "auto" and default is not None:
+        return (default if kernels == "xla" else per_platform.get("tpu", default))(*args)
     platform = settled_platform()
     if platform == "gpu" and not any(name in per_platform for name in _GPU_BRANCHES):
         branch = default
@@ -129,5 +178,5 @@ def platform_vjp(tpu: Callable[..., jax.Array], default: Callable[..., jax.Array
     return f
 
 
-__all__ = ["lowering_platform", "platform_dependent", "platform_of", "platform_vjp", "settled_device_kind",
-           "settled_platform"]
+__all__ = ["KERNELS", "interpreting", "kernels_setting", "lowering_platform", "pallas_call", "platform_dependent",
+           "platform_of", "platform_vjp", "settled_device_kind", "settled_platform", "tpu_kernels", "use_kernels"]

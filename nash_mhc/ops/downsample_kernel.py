@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.dispatch import pallas_call
 from nash_mhc.ops.tpu_tiles import LANES
 from nash_mhc.sharding import per_shard
 
@@ -140,7 +141,7 @@ def _costs(x, ws, g_bytes, rows):
 def _forward_shard(x, *ws, rows, interpret):
     sequences, groups, seq, columns = x.shape
     grid, fine, coarse, weights = _grid_specs(x, ws, rows)
-    ys = pl.pallas_call(
+    ys = pallas_call(
         functools.partial(_forward_kernel, levels=len(ws)), grid=grid, in_specs=[fine, *weights], out_specs=coarse,
         out_shape=[jax.ShapeDtypeStruct((sequences, groups, seq // w.shape[1], columns), x.dtype) for w in ws],
         scratch_shapes=[pltpu.VMEM((rows, LANES), F32)], cost_estimate=_costs(x, ws, x.dtype.itemsize, rows)[0],
@@ -155,7 +156,7 @@ def _backward_shard(x, *operands, rows, interpret):
     grid, fine, coarse, weights = _grid_specs(x, ws, rows)
     partials = [pl.BlockSpec((None, None, None, w.shape[1], LANES), lambda group, c, n, t: (n, t, group, 0, c))
                 for w in ws]
-    dx, *dws = pl.pallas_call(
+    dx, *dws = pallas_call(
         functools.partial(_backward_kernel, levels=levels), grid=grid, in_specs=[fine, *weights, *coarse],
         out_specs=[fine, *partials],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),

@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.dispatch import pallas_call
 from nash_mhc.ops.tpu_tiles import LANES
 
 F32 = jnp.float32
@@ -229,7 +230,7 @@ def _forward(q, k, v, block, interpret):
     batch, heads, seq, head_dim = q.shape
     n = seq // block
     kernel = functools.partial(_forward_kernel, scale=head_dim**-0.5, block=block)
-    return pl.pallas_call(
+    return pallas_call(
         kernel, grid=(batch, heads, n, n),
         in_specs=[_spec(block, head_dim, _outer), _spec(block, head_dim, _inner_up_to_outer),
                   _spec(block, head_dim, _inner_up_to_outer)],
@@ -252,7 +253,7 @@ def _backward(q, k, v, o, lse, do, block, interpret, dq_makes_d):
     else:  # D in XLA, read by the dQ kernel
         last, last_spec = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1)[:, :, None, :], _row_spec(block, _outer)
         d_specs, d_shapes = [], []
-    dq, *made = pl.pallas_call(
+    dq, *made = pallas_call(
         functools.partial(_dq_kernel, scale=scale, block=block, makes_d=dq_makes_d), grid=(batch, heads, n, n),
         in_specs=[_spec(block, head_dim, _outer), _spec(block, head_dim, _inner_up_to_outer),
                   _spec(block, head_dim, _inner_up_to_outer), _spec(block, head_dim, _outer),
@@ -263,7 +264,7 @@ def _backward(q, k, v, o, lse, do, block, interpret, dq_makes_d):
         cost_estimate=costs.dq, **_params(interpret))(q, k, v, do, lse, last)
     d = made[0] if dq_makes_d else last
     # dK, dV: the outer grid axis walks key blocks, the inner one the query blocks that see them.
-    dk, dv = pl.pallas_call(
+    dk, dv = pallas_call(
         functools.partial(_dkv_kernel, scale=scale, block=block), grid=(batch, heads, n, n),
         in_specs=[_spec(block, head_dim, _inner_from_outer), _spec(block, head_dim, _outer),
                   _spec(block, head_dim, _outer), _spec(block, head_dim, _inner_from_outer),

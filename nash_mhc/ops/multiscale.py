@@ -12,7 +12,7 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
-from nash_mhc.ops.dispatch import platform_dependent, platform_vjp, settled_platform
+from nash_mhc.ops.dispatch import platform_dependent, platform_vjp, tpu_kernels
 from nash_mhc.ops.downsample_kernel import (
     downsample_heads_kernel,
     downsample_heads_levels_kernel,
@@ -87,9 +87,9 @@ def downsample_heads(v: Float[Array, "*batch seq heads head_dim"], weights: Floa
 
 def _levels_tile(seq: int, dim: int, blocks: Sequence[int]) -> bool:
     """Whether one call of the levels' kernels serves ``blocks``: the step is lowered for TPU
-    (:func:`nash_mhc.ops.dispatch.settled_platform`), more than one level, every block > 1 and a row tile that
+    (:func:`nash_mhc.ops.dispatch.tpu_kernels`), more than one level, every block > 1 and a row tile that
     holds whole groups of every level's blocks."""
-    return (len(blocks) > 1 and min(blocks) > 1 and settled_platform() == "tpu"
+    return (len(blocks) > 1 and min(blocks) > 1 and tpu_kernels()
             and row_tile(seq, dim, math.lcm(*blocks)) is not None)
 
 

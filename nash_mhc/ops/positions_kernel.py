@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.dispatch import pallas_call
 from nash_mhc.ops.tpu_tiles import LANES, SUBLANES
 
 MAX_ROWS = 64  # rows of 128 positions per tile: 8,192 positions, a few dozen [rows, 128] float32 values in VMEM
@@ -92,7 +93,7 @@ def run_positions(fn: Callable, arrays: Sequence[jax.Array], out_entries: Sequen
     def spec(k: int) -> pl.BlockSpec:
         return pl.BlockSpec((k, rows, LANES), lambda i: (0, i, 0))
 
-    out = pl.pallas_call(
+    out = pallas_call(
         functools.partial(_kernel, fn=fn, in_entries=tuple(in_entries), out_entries=tuple(out_entries)),
         grid=(lines // rows,), in_specs=[spec(k) for k in in_entries], out_specs=[spec(k) for k in out_entries],
         out_shape=[jax.ShapeDtypeStruct((k, lines, LANES), jnp.float32) for k in out_entries],

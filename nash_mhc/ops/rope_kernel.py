@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.dispatch import pallas_call
 from nash_mhc.ops.tpu_tiles import LANES, SUBLANES
 from nash_mhc.sharding import per_shard
 
@@ -65,7 +66,7 @@ def _rotate_shard(x, cos, sin, *, rows, interpret):
     xh = jnp.swapaxes(x, 1, 2).reshape(batch * heads, seq, head_dim)
     tile = pl.BlockSpec((None, rows, head_dim), lambda t, n: (n, t, 0))
     table = pl.BlockSpec((rows, head_dim), lambda t, n: (t, 0))
-    y = pl.pallas_call(
+    y = pallas_call(
         _rotate_kernel, grid=(seq // rows, batch * heads), in_specs=[tile, table, table], out_specs=tile,
         out_shape=jax.ShapeDtypeStruct(xh.shape, xh.dtype),
         cost_estimate=kernel_cost(batch * heads, seq, head_dim, x.dtype.itemsize), interpret=interpret,

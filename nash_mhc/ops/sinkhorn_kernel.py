@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.dispatch import pallas_call
 from nash_mhc.ops.sinkhorn_rounds import project, sinkhorn_round, walk_back
 
 F32 = jnp.float32
@@ -89,7 +90,7 @@ def _backward_kernel(z_ref, g_ref, dz_ref, columns, rows, *, num_iters):
 # ------------------------------------------------------------------------------------------ pallas calls
 def _call(kernel, operands, n, tokens, block, cost, interpret, scratch=()):
     spec = pl.BlockSpec((n, n, block), lambda t: (0, 0, t))
-    return pl.pallas_call(
+    return pallas_call(
         kernel, grid=(tokens // block,), in_specs=[spec] * len(operands), out_specs=spec,
         out_shape=jax.ShapeDtypeStruct((n, n, tokens), F32), scratch_shapes=list(scratch), cost_estimate=cost,
         interpret=interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))(*operands)

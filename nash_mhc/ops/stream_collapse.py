@@ -65,7 +65,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from nash_mhc.ops.dispatch import settled_device_kind
+from nash_mhc.ops.dispatch import pallas_call, settled_device_kind
 from nash_mhc.ops.rms_norm import rms_inverse, rms_norm, rms_norm_backward, rms_norm_backward_rows
 from nash_mhc.ops.stream_mix import (
     TOKEN_BLOCKS,
@@ -346,7 +346,7 @@ def _collapse_rows(*operands, pre_weights, eps, update, blocks, interpret):
         in_specs = [rows, pl.BlockSpec((tm, n * n), lambda t: (t, 0)), pl.BlockSpec((tm, n), lambda t: (t, 0)),
                     *in_specs]
         out_specs, out_shape = [streams, *out_specs], [jax.ShapeDtypeStruct(x.shape, x.dtype), *out_shape]
-    out = pl.pallas_call(
+    out = pallas_call(
         functools.partial(kernel, pre_weights, eps), grid=(tokens // tm,), in_specs=[streams, *in_specs],
         out_specs=out_specs, out_shape=out_shape,
         cost_estimate=kernel_costs(n, tokens, dim, coeffs, x.dtype.itemsize, (tm, dim), operand.shape[0],
@@ -365,7 +365,7 @@ def _dh_pre(x, du, *, blocks, interpret, kernels=True):
     if blocks is None:
         return jnp.stack([jnp.sum(a.astype(F32) * du.astype(F32), axis=-1) for a in x], axis=-1)
     tm, td = blocks
-    return pl.pallas_call(
+    return pallas_call(
         _dh_pre_kernel, grid=(tokens // tm, dim // td),
         in_specs=[pl.BlockSpec((n, tm, td), lambda t, d: (0, t, d)), pl.BlockSpec((tm, td), lambda t, d: (t, d))],
         out_specs=pl.BlockSpec((tm, n), lambda t, d: (t, 0)), out_shape=jax.ShapeDtypeStruct((tokens, n), F32),
@@ -384,7 +384,7 @@ def _norm_dh_pre(x, u, dy, inv, gain, *, blocks, interpret, kernels=True):
         du = du.astype(x.dtype)
         return du, _dh_pre(x, du, blocks=blocks, interpret=interpret, kernels=kernels), dgain
     rows = pl.BlockSpec((tm, dim), lambda t: (t, 0))
-    du, dh, dgain = pl.pallas_call(
+    du, dh, dgain = pallas_call(
         _norm_dh_pre_kernel, grid=(tokens // tm,),
         in_specs=[pl.BlockSpec((n, tm, dim), lambda t: (0, t, 0)), rows, rows, pl.BlockSpec((tm, 1), lambda t: (t, 0)),
                   pl.BlockSpec((1, dim), lambda t: (0, 0))],
@@ -457,7 +457,7 @@ def _dx(x, g, du, scalars, draw, w_t, *update, blocks, interpret, kernels=True):
         out_shape += [jax.ShapeDtypeStruct(update[1].shape, update[1].dtype),
                       jax.ShapeDtypeStruct((dim // td, tokens, n * n), F32),
                       jax.ShapeDtypeStruct((dim // td, tokens, n), F32)]
-    dx, dw_t, *mixing = pl.pallas_call(
+    dx, dw_t, *mixing = pallas_call(
         kernel, grid=(dim // td, tokens // tm), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         cost_estimate=costs.dx, interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(*operands)

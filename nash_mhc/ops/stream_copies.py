@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from nash_mhc.ops.dispatch import platform_dependent
+from nash_mhc.ops.dispatch import pallas_call, platform_dependent
 from nash_mhc.ops.stream_mix import mix_blocks
 from nash_mhc.ops.tpu_tiles import LANES, SUBLANES
 from nash_mhc.sharding import per_shard
@@ -83,7 +83,7 @@ def _call(kernel, a: jax.Array, out_shape: jax.ShapeDtypeStruct, n: int, blocks:
     def spec(ndim: int) -> pl.BlockSpec:
         return (pl.BlockSpec((tm, td), lambda t, c: (t, c)) if ndim == 2
                 else pl.BlockSpec((n, tm, td), lambda t, c: (0, t, c)))
-    return pl.pallas_call(
+    return pallas_call(
         kernel, grid=(a.shape[-2] // tm, a.shape[-1] // td), in_specs=[spec(a.ndim)],
         out_specs=spec(len(out_shape.shape)), out_shape=out_shape, cost_estimate=cost, interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")))(a)

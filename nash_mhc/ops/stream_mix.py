@@ -36,6 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.dispatch import pallas_call
+
 F32 = jnp.float32
 TOKEN_BLOCKS = (256, 128, 64, 32, 16)   # a token tile: a multiple of 16 sublanes (bfloat16 packs two per row)
 COLUMN_BLOCKS = (512, 256, 128)         # a D-column tile: a multiple of the 128 lanes
@@ -203,7 +205,7 @@ def _forward(x, y, res, post, blocks, interpret):
     n, tokens, dim = x.shape
     tm, td = blocks
     stream, slab, res_spec, post_spec = _specs(n, tm, td)
-    return pl.pallas_call(
+    return pallas_call(
         mix_kernel, grid=(tokens // tm, dim // td), in_specs=[stream, slab, res_spec, post_spec],
         out_specs=stream, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         cost_estimate=kernel_costs(n, tokens, dim, x.dtype.itemsize, y.dtype.itemsize).forward,
@@ -220,7 +222,7 @@ def mix_backward(x, y, res, post, g, blocks, interpret, defer):
     stream, slab, res_spec, post_spec = _specs(n, tm, td)
     costs = kernel_costs(n, tokens, dim, x.dtype.itemsize, y.dtype.itemsize)
     outs = [(stream, x)] * (not defer) + [(slab, y), (res_spec, res), (post_spec, post)]  # res, post: float32
-    grads = pl.pallas_call(
+    grads = pallas_call(
         _backward_kernel, grid=(tokens // tm, dim // td), in_specs=[stream, slab, res_spec, post_spec, stream],
         out_specs=[spec for spec, _ in outs], out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for _, a in outs],
         cost_estimate=costs.deferred_backward if defer else costs.backward,

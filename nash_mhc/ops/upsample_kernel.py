@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.ops.dispatch import pallas_call
 from nash_mhc.ops.downsample_kernel import LANES, TILE_ROWS, row_tile
 from nash_mhc.sharding import per_shard
 
@@ -115,7 +116,7 @@ def _forward_shard(y, *, block, rows, interpret):
     seq = blocks * block
     grid, fine, coarse, before, _ = _specs(sequences, seq, dim, block, rows)
     cost = kernel_costs(sequences, seq, dim, block, rows, y.dtype.itemsize, y.dtype.itemsize)[0]
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_forward_kernel, block=block), grid=grid, in_specs=[coarse, before], out_specs=fine,
         out_shape=jax.ShapeDtypeStruct((sequences, seq, dim), y.dtype), scratch_shapes=[pltpu.VMEM((rows, LANES), F32)],
         cost_estimate=cost, interpret=interpret, compiler_params=_params())(y, y)
@@ -125,7 +126,7 @@ def _backward_shard(g, *, block, rows, interpret):
     sequences, seq, dim = g.shape
     grid, fine, coarse, _, after = _specs(sequences, seq, dim, block, rows)
     cost = kernel_costs(sequences, seq, dim, block, rows, g.dtype.itemsize, g.dtype.itemsize)[1]
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_backward_kernel, block=block), grid=grid, in_specs=[fine, after], out_specs=coarse,
         out_shape=jax.ShapeDtypeStruct((sequences, seq // block, dim), g.dtype),
         scratch_shapes=[pltpu.VMEM((rows, LANES), F32)], cost_estimate=cost, interpret=interpret,

@@ -232,6 +232,7 @@ class FitReport:
     flops_per_token: float = 0.0        # model FLOPs per token (ModelConfig.flops_per_token), for the MFU
     step_cost: estimate.StepCost | None = None  # the compiler's per-step cost (TPU), loops by trip count
     estimate_error: str | None = None   # why there is no step_cost on a TPU
+    pallas_calls: int | None = None     # Pallas (Mosaic) kernel calls in the compiled step's text, per site
 
     @property
     def total_bytes(self) -> int | None:
@@ -346,7 +347,8 @@ def check_fit(model_config: ModelConfig, train_config: TrainConfig, *, topology:
         compile_seconds=compiled_at - lowered_at)
     fits = None if hbm is None else report.total_bytes <= hbm
     step_cost, error = estimate.compiled_step_cost(compiled, devices[0].device_kind)
-    return dataclasses.replace(report, fits=fits, step_cost=step_cost, estimate_error=error)
+    return dataclasses.replace(report, fits=fits, step_cost=step_cost, estimate_error=error,
+                               pallas_calls=compiled.as_text().count('custom_call_target="tpu_custom_call"'))
 
 
 def _gib(value: int | None) -> str:
@@ -384,6 +386,7 @@ def report_lines(report: FitReport) -> list[str]:
             f"compiler estimates per chip: {report.flops or 0:.3e} FLOP, {report.bytes_accessed or 0:.3e} bytes "
             "accessed (a scan body counted once)",
             *estimate.estimate_lines(report),
+            f"Pallas kernel calls in the compiled step: {report.pallas_calls} (none under --kernels xla)",
         ]
     lines.append(f"compile time: {report.lower_seconds + report.compile_seconds:.1f} s (trace and lower "
                  f"{report.lower_seconds:.1f} s, compile {report.compile_seconds:.1f} s)")
