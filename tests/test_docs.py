@@ -171,3 +171,14 @@ def test_cpu_training_commands_run(tmp_path, cache_dir):
         assert "layout: process 0 of 1" in output
         if "--mesh-tp" in words:
             assert "devices: 8 x cpu (cpu)" in output and "mesh data=2 fsdp=2 tp=2" in output
+
+
+def test_the_readme_test_block_is_ci_s_commands_line_for_line():
+    """CI runs .ci/run's own commands; the README quotes them (CI no longer extracts them from the README)."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    quoted = [line for line in blocks[1].splitlines() if line.strip()]
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd ", "step", "NASH_MHC", "export ", "trap "))]
+    assert quoted == ci and len(ci) == 4, (quoted, ci)
+    assert ci[2].endswith('-m "not slow"') and ci[3].endswith("-m slow")  # the two parts make the whole suite
