@@ -25,6 +25,7 @@ import numpy as np
 
 from nash_mhc.cli import SettingsParser, checkpoint_program_parser, fail
 from nash_mhc.decoding import Sampling, generate_tokens
+from nash_mhc.platforms import select_platform
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 
 DEFAULT_NEW_TOKENS = 200
@@ -87,6 +88,7 @@ class TextStream:
 def main(argv: list[str] | None = None) -> int:
     from nash_mhc.inference import load_from_flags
 
+    select_platform()  # before anything starts a JAX backend
     try:
         config, loaded = load_from_flags(build_parser(), argv, GenerateConfig)
         tokenizer, context = loaded.tokenizer, loaded.config.seq_len
