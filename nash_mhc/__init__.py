@@ -32,7 +32,8 @@ __all__ += ["decoding", "generate_tokens", "load_exported", "select_platform"]
 
 
 def __getattr__(name: str) -> object:
-    """``nash_mhc.generate``: the program's module (callable, deprecated, as the function of versions < 0.3)."""
+    """``nash_mhc.generate``: the program's module, imported on first use (the library function is
+    :func:`generate_tokens`; ``nash_mhc.generate`` was its name before version 0.3)."""
     if name == "generate":
         import importlib
 
