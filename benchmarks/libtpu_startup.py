@@ -8,7 +8,8 @@ three modes:
   jax-first   ``import jax; jax.devices()`` before ``import nash_mhc``: JAX's own platform choice (what
               nash_mhc did before :func:`nash_mhc.platforms.select_platform`; with libtpu installed JAX
               tries to start a TPU)
-  nash_mhc    ``import nash_mhc`` first (its platform choice), then ``jax.devices()``
+  nash_mhc    ``import nash_mhc`` and :func:`nash_mhc.select_platform` (what the programs do when they start),
+              then ``jax.devices()``
   cpu         as nash_mhc, with ``JAX_PLATFORMS=cpu``
 
 Each child times the import, ``jax.devices()`` and the first ``tiny`` train step on one device (state
@@ -33,6 +34,7 @@ if sys.argv[1] == "jax-first":
     import jax
     jax.devices()
 import nash_mhc
+nash_mhc.select_platform()
 t1 = time.perf_counter()
 import jax
 devices = jax.devices()

@@ -1,7 +1,7 @@
 """Generation throughput: cached incremental decoding vs recomputing the full forward pass for every token.
 
 Both decode 512 new tokens greedily after a 16-token prompt with the same compile-once loop of
-``nash_mhc.generate`` (one jitted step per token, fixed context of 1024): ``use_cache=True`` runs one
+``nash_mhc.generate_tokens`` (one jitted step per token, fixed context of 1024): ``use_cache=True`` runs one
 ``decode_step`` over the KV / coarse-block cache, ``use_cache=False`` the full forward pass over the padded
 context. Compilation is excluded; tokens/s of both and their ratio go to ``extra_info``.
 """

@@ -19,6 +19,7 @@ parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
 parser.add_argument("--preset", default="tiny", help="model preset")
 parser.add_argument("--batch-size", type=int, default=8, help="global batch (sequences)")
 args = parser.parse_args()
+nash_mhc.select_platform()  # the CPU, quietly, on a CPU host with libtpu installed (a no-op elsewhere)
 
 model_config = nash_mhc.ModelConfig.preset(args.preset)
 train_config = nash_mhc.TrainConfig(batch_size=args.batch_size, learning_rate=3e-3, warmup_steps=min(3, args.steps),

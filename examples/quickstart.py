@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="SGD steps on the demo batch")
     parser.add_argument("--learning-rate", type=float, default=0.5, help="SGD learning rate")
     args = parser.parse_args()
+    nash_mhc.select_platform()  # the CPU, quietly, on a CPU host with libtpu installed (a no-op elsewhere)
 
     config = nash_mhc.ModelConfig.preset(args.preset)
     print(describe(config))

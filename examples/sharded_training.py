@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--fsdp", type=int, default=2, help="FSDP axis")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel axis")
     args = parser.parse_args()
+    nash_mhc.select_platform()  # the CPU, quietly, on a CPU host with libtpu installed (a no-op elsewhere)
 
     mesh = nash_mhc.make_mesh(args.data, args.fsdp, args.tp)
     model_config = nash_mhc.ModelConfig.preset("tiny", num_heads=4)

@@ -2,20 +2,20 @@
 
 Manifold-constrained hyper-connections (n residual streams mixed by Sinkhorn doubly-stochastic matrices)
 and causal multiscale attention combined per position by Nash-equilibrium aggregation.
+
+Importing the package changes no JAX setting and starts no backend. The programs (``python -m nash_mhc.train``,
+``evaluate``, ``generate``, ``export``, ``hardware``, ``study``) choose the platform when they start
+(:func:`select_platform`); a library user on a CPU host with libtpu installed may call it before JAX starts.
 """
 
+from nash_mhc import decoding, ops, training
+from nash_mhc.config import ModelConfig
+from nash_mhc.decoding import generate_tokens
+from nash_mhc.model import Block, LanguageModel, ModelOutput
+from nash_mhc.ops.dispatch import use_kernels
 from nash_mhc.platforms import select_platform
-
-# Before anything can start a JAX backend: on a CPU host with libtpu installed, use the CPU quietly.
-select_platform()
-
-from nash_mhc import decoding, ops, training  # noqa: E402
-from nash_mhc.config import ModelConfig  # noqa: E402
-from nash_mhc.decoding import generate_tokens  # noqa: E402
-from nash_mhc.model import Block, LanguageModel, ModelOutput  # noqa: E402
-from nash_mhc.ops.dispatch import use_kernels  # noqa: E402
-from nash_mhc.sharding import MeshError, make_mesh  # noqa: E402
-from nash_mhc.training import TrainConfig  # noqa: E402
+from nash_mhc.sharding import MeshError, make_mesh
+from nash_mhc.training import TrainConfig
 
 __version__ = "0.3.0"
 
@@ -29,11 +29,12 @@ def load_exported(directory: str, *, device: object = None) -> LanguageModel:
 
 __all__ = ["Block", "LanguageModel", "MeshError", "ModelConfig", "ModelOutput", "TrainConfig", "make_mesh", "ops",
            "training", "__version__"]
-__all__ += ["decoding", "generate_tokens", "load_exported", "use_kernels"]
+__all__ += ["decoding", "generate_tokens", "load_exported", "select_platform", "use_kernels"]
 
 
 def __getattr__(name: str) -> object:
-    """``nash_mhc.generate``: the program's module (callable, deprecated, as the function of versions < 0.3)."""
+    """``nash_mhc.generate``: the program's module, imported on first use (the library function is
+    :func:`generate_tokens`; ``nash_mhc.generate`` was its name before version 0.3)."""
     if name == "generate":
         import importlib
 

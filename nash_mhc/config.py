@@ -76,7 +76,7 @@ class ConfigMethods:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(ConfigMethods):
-    """Architecture of a Nash-MHC language model (see DESIGN.md §1).
+    """Architecture of a Nash-MHC language model (see docs/design.md).
 
     Normalisations done in ``__post_init__`` (so equal models compare equal):
       * ``residual="plain"`` forces ``num_streams = 1`` (the plain pre-norm baseline has one stream);

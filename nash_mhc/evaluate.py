@@ -27,6 +27,7 @@ import math
 import sys
 
 from nash_mhc.cli import SettingsParser, checkpoint_program_parser, fail
+from nash_mhc.platforms import select_platform
 from nash_mhc.settings import NON_NEGATIVE_INT, POSITIVE_INT, check_settings, setting
 
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from nash_mhc.sharding import batch_shards
     from nash_mhc.training.evaluation import batch_range, evaluate
 
+    select_platform()  # before anything starts a JAX backend
     parser = build_parser()
     try:
         config, loaded = load_from_flags(parser, argv, EvaluateConfig)

@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from nash_mhc.cli import Checkpoint, fail
     from nash_mhc.inference import load_model
+    from nash_mhc.platforms import select_platform
 
+    select_platform()  # before anything starts a JAX backend
     parser = build_parser()
     given = parser.given(argv)
     try:

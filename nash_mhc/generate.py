@@ -7,9 +7,10 @@ samples are drawn together; the first is streamed, the others are printed when g
 models larger than one device); without them it runs on one device.
 Exit codes: 0 done, 2 bad arguments or inputs (one line on stderr).
 
-The library function is :func:`nash_mhc.generate_tokens` (:func:`nash_mhc.decoding.generate_tokens`). Calling
-this module, ``nash_mhc.generate(model, prompt, ...)`` (the function's name before version 0.3), still works
-with a ``DeprecationWarning``.
+The library function is :func:`nash_mhc.generate_tokens` (:func:`nash_mhc.decoding.generate_tokens`). Before
+version 0.3 it was ``nash_mhc.generate(model, prompt, ...)``; that name is this program's module now and cannot be
+called: call ``nash_mhc.generate_tokens`` (same arguments; ``nash_mhc.decoding.generate``, deprecated, still
+works).
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import types
-import warnings
 from typing import Any
 
 import numpy as np
 
 from nash_mhc.cli import SettingsParser, checkpoint_program_parser, fail
 from nash_mhc.decoding import Sampling, generate_tokens
+from nash_mhc.platforms import select_platform
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 
 DEFAULT_NEW_TOKENS = 200
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     from nash_mhc.execution import ExecutionConfig
     from nash_mhc.inference import load_from_flags
 
+    select_platform()  # before anything starts a JAX backend
     parser = build_parser()
     try:
         config, loaded = load_from_flags(parser, argv, GenerateConfig)
@@ -128,16 +129,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class _CallableModule(types.ModuleType):
-    """``nash_mhc.generate`` is this program; calling it as the library function of old versions still works."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        warnings.warn("calling nash_mhc.generate is deprecated: it is the program (python -m nash_mhc.generate); "
-                      "call nash_mhc.generate_tokens (same arguments)", DeprecationWarning, stacklevel=2)
-        return generate_tokens(*args, **kwargs)
-
-
 if __name__ == "__main__":
     sys.exit(main())
-else:
-    sys.modules[__name__].__class__ = _CallableModule

@@ -14,7 +14,7 @@ Two ways a run ends up on the CPU by mistake, both reported here:
   (``pip install jax`` instead of ``.[tpu]``/``.[cuda]``): the device files are there and JAX uses the CPU.
 
 What the machine has, and the platform nash_mhc picks when the user names none, is
-:mod:`nash_mhc.platforms` (imported first by ``nash_mhc`` itself); its helpers are re-exported here.
+:mod:`nash_mhc.platforms` (applied by every program when it starts); its helpers are re-exported here.
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ def summary_lines(devices: Sequence[Any] | None = None, env: Mapping[str, str] |
 def main(argv: list[str] | None = None) -> int:
     """Print the hardware summary (after ``jax.distributed`` set-up on pods); exit 2 on a platform error."""
     del argv
+    select_platform()
     try:
         initialize_distributed()
         devices = init_devices()

@@ -2,11 +2,11 @@
 
 With libtpu installed (the ``tpu`` extra, which compiling for a TPU topology on a CPU host also needs) and
 ``JAX_PLATFORMS`` unset, JAX tries to start a TPU on every machine; on one without a TPU, libtpu prints half a
-dozen error lines to stderr whenever a backend starts. :func:`select_platform`, called by ``import nash_mhc``
-before anything can start a backend, chooses the CPU platform in exactly that case. An explicit
-``JAX_PLATFORMS`` (or ``jax.config.jax_platforms``), a visible TPU or GPU, ``JAX_FORCE_TPU_INIT`` or backends
-already running leave JAX's own choice alone. This module imports nothing from nash_mhc (``nash_mhc/__init__``
-runs it first); :mod:`nash_mhc.hardware` re-exports it.
+dozen error lines to stderr whenever a backend starts. :func:`select_platform`, called by every program's
+``main`` before anything can start a backend (``import nash_mhc`` itself changes nothing), chooses the CPU
+platform in exactly that case. An explicit ``JAX_PLATFORMS`` (or ``jax.config.jax_platforms``), a visible TPU or
+GPU, ``JAX_FORCE_TPU_INIT`` or backends already running leave JAX's own choice alone. This module imports nothing
+from nash_mhc; :mod:`nash_mhc.hardware` re-exports it.
 """
 
 from __future__ import annotations

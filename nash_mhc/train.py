@@ -35,6 +35,7 @@ from nash_mhc.cli import CompileCache, SettingsParser, fail
 from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig
 from nash_mhc.execution import ExecutionConfig
+from nash_mhc.platforms import select_platform
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 from nash_mhc.sharding import MeshConfig
 from nash_mhc.training.config import MEMORY_DEFAULTS, RunConfig, TrainConfig
@@ -157,6 +158,7 @@ def compile_only(run_configs: Configs, options: CompileOnly) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    select_platform()  # before anything starts a JAX backend
     parser = build_parser()
     try:
         run_configs, cache = configs(argv, parser)

@@ -1,4 +1,5 @@
-"""Float64 NumPy reference of the Nash-MHC model, written from the equations of DESIGN.md §1 and the docstrings.
+"""Float64 NumPy reference of the Nash-MHC model, written from the equations of docs/design.md (§1-§4) and the
+docstrings.
 
 Independent of the JAX code on purpose: nothing here imports ``nash_mhc``, so a mistake there cannot hide in a
 helper both sides share. Every function takes plain arrays (any float dtype, converted to float64), returns

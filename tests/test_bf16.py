@@ -38,7 +38,7 @@ COEFFICIENT_AXES = {JAXPR_CONFIG.num_streams, JAXPR_CONFIG.num_scales, JAXPR_CON
 
 
 def is_coefficient_math(eqn: jax.extend.core.JaxprEqn) -> bool:
-    """The mHC coefficients and the scale aggregation stay float32 by design (DESIGN.md §1); every such dot
+    """The mHC coefficients and the scale aggregation stay float32 by design (docs/design.md §7); every such dot
     has an operand with a streams, scales or hyper-connection coefficients axis."""
     return any(size in COEFFICIENT_AXES for var in eqn.invars for size in var.aval.shape)
 

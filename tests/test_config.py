@@ -15,7 +15,7 @@ from nash_mhc.model import num_params, param_counts
 
 
 def expected_counts(c: ModelConfig) -> dict[str, int]:
-    """Parameters by role, written out from the architecture (DESIGN.md §1 and the layers' docstrings)."""
+    """Parameters by role, written out from the architecture (docs/design.md §1-§3 and the layers' docstrings)."""
     D, F, V, n, L = c.d_model, c.ffn_hidden, c.padded_vocab_size, c.num_streams, c.num_scales
     matmul = 2 * L * D * D + 2 * D * D + 3 * D * F  # per-scale Q, K; shared V; output; SwiGLU
     norm = 2 * D  # the two pre-norms

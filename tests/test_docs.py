@@ -182,3 +182,38 @@ def test_the_readme_test_block_is_ci_s_commands_line_for_line():
           if line.strip() and not line.startswith(("#", "set ", "cd ", "step", "NASH_MHC", "export ", "trap "))]
     assert quoted == ci and len(ci) == 4, (quoted, ci)
     assert ci[2].endswith('-m "not slow"') and ci[3].endswith("-m slow")  # the two parts make the whole suite
+
+
+def repository_files() -> list[Path]:
+    """The repository's files outside .git: tracked and untracked-but-not-ignored (git), else every file under
+    folders that are not hidden or caches."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+        return [ROOT / name for name in listed if name and (ROOT / name).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        return [p for p in ROOT.rglob("*") if p.is_file() and not any(
+            part.startswith(".") or part == "__pycache__" for part in p.relative_to(ROOT).parts[:-1])]
+
+
+DESIGN_PAGE = ROOT / "docs/design.md"
+DESIGN_REFERENCE = re.compile(r"[\w./-]*design\.md", re.IGNORECASE)
+
+
+def design_references(path: Path) -> list[str]:
+    """The references to a design page in ``path`` that do not lead to docs/design.md (as a path from the
+    repository root or from the file's folder, spelled exactly)."""
+    text = path.read_bytes().decode("utf-8", errors="ignore")
+    return [ref for ref in DESIGN_REFERENCE.findall(text)
+            if DESIGN_PAGE not in {(ROOT / ref).resolve(), (path.parent / ref).resolve()}
+            or ref.rsplit("/", 1)[-1] != DESIGN_PAGE.name]
+
+
+def test_design_references_lead_to_docs_design_md(tmp_path):
+    assert DESIGN_PAGE.is_file()
+    stray = {str(p.relative_to(ROOT)): refs for p in repository_files() if (refs := design_references(p))}
+    assert not stray, f"references to a design page other than docs/design.md: {stray}"
+    wrong = tmp_path / "wrong.md"  # the check itself: the old page's name, a wrong folder, a relative link
+    wrong.write_text("see " + "DESIGN" + ".md §1, docs/Design" + ".md, notes/design" + ".md")
+    assert len(design_references(wrong)) == 3
+    assert not design_references(ROOT / "docs" / "testing.md")

@@ -97,3 +97,24 @@ def test_low_layers_do_not_reach_the_programs_or_the_training_shell():
         assert not reachable(graph, module) & shell, module
     assert not reachable(graph, "nash_mhc.data") - {m for m in graph if m.startswith("nash_mhc.data")} - {
         "nash_mhc.settings", "nash_mhc.paths"}  # nothing of the rest but the settings helper and the path layer
+
+
+MAX_MODULE_LINES = 400
+# Modules over the limit until they are split (others are editing them as this rule lands): remove each entry when
+# its module is split. Nothing else may be added here.
+OVER_THE_LIMIT = {"nash_mhc/ops/aggregation.py", "nash_mhc/ops/stream_collapse.py"}
+
+
+def long_modules(limit: int = MAX_MODULE_LINES) -> dict[str, int]:
+    """``{path: lines}`` of every module of the package longer than ``limit`` lines."""
+    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in modules().values()}
+    return {path: count for path, count in lengths.items() if count > limit}
+
+
+def test_no_module_is_over_400_lines():
+    """Small files, one concern each: a module over the limit is split along its seams."""
+    over = long_modules()
+    assert set(over) <= OVER_THE_LIMIT, {p: n for p, n in over.items() if p not in OVER_THE_LIMIT}
+    split = OVER_THE_LIMIT - set(over)
+    assert not split, f"{sorted(split)} no longer over {MAX_MODULE_LINES} lines: remove from OVER_THE_LIMIT"
+    assert set(long_modules(limit=100)) - OVER_THE_LIMIT  # the check sees the others (some exceed 100 lines)

@@ -1,5 +1,6 @@
-"""Platform choice (nash_mhc.platforms): on a CPU host with libtpu installed, nash_mhc starts JAX on the CPU
-quietly; an explicit JAX_PLATFORMS, a visible TPU/GPU or JAX_FORCE_TPU_INIT leave JAX's own choice alone."""
+"""Platform choice (nash_mhc.platforms): on a CPU host with libtpu installed, nash_mhc's programs start JAX on the
+CPU quietly; an explicit JAX_PLATFORMS, a visible TPU/GPU or JAX_FORCE_TPU_INIT leave JAX's own choice alone.
+Importing the package changes no JAX setting and starts no backend."""
 
 from __future__ import annotations
 
@@ -69,12 +70,30 @@ def test_native_stderr_is_captured(capfd):
 
 
 
+def test_importing_the_package_starts_no_backend_and_changes_no_setting():
+    """Every module of the package imported in a fresh interpreter: no JAX backend started, jax_platforms as the
+    environment left it (unset), whatever this machine has."""
+    script = ("import importlib, pkgutil, jax, nash_mhc; from jax._src import xla_bridge; "
+              "[importlib.import_module(m.name) for m in pkgutil.walk_packages(nash_mhc.__path__, 'nash_mhc.')]; "
+              "print(xla_bridge.backends_are_initialized(), jax.config.jax_platforms)")
+    result = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "None"], result.stdout
+
+
 @needs_libtpu
 @needs_no_accelerator
 def test_cpu_host_with_libtpu_starts_quietly():
+    """The programs (here ``python -m nash_mhc.hardware``) and a library user who calls select_platform start the
+    CPU without a word on stderr."""
+    program = subprocess.run([sys.executable, "-m", "nash_mhc.hardware"], env=clean_env(), capture_output=True,
+                             text=True, timeout=120)
+    assert program.returncode == 0 and program.stderr == "", program.stderr
+    assert program.stdout.startswith("devices: ") and "cpu" in program.stdout.splitlines()[0], program.stdout
     script = "import {first}; import jax; print(jax.devices()[0].platform, jax.config.jax_platforms)"
-    quiet = subprocess.run([sys.executable, "-c", script.format(first="nash_mhc")], env=clean_env(),
-                           capture_output=True, text=True, timeout=120)
+    quiet = subprocess.run([sys.executable, "-c", script.format(first="nash_mhc; nash_mhc.select_platform()")],
+                           env=clean_env(), capture_output=True, text=True, timeout=120)
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stdout.split() == ["cpu", "cpu"] and quiet.stderr == ""
     # Control: JAX on its own tries the TPU runtime, which complains on stderr (what the choice avoids).

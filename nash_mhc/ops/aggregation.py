@@ -14,25 +14,10 @@ leaves e, the weights and their entropy unchanged, so rescaling V and W_o cannot
 change when every output is shifted alike, so the game depends on the outputs only through C, the Gram matrix of
 the centred outputs O_l - mean_m O_m over D S: e_l(w) = (delta_l - w)^T C (delta_l - w).
 
-The effective temperature is tau_t = tau + c lambda_max(C) with c = :data:`FLOOR` (just above 1). What it gives:
-
-* **Uniqueness and convergence.** The best-response map in logit space z -> b - e(softmax z) / tau_t has the
-  Jacobian (2 / tau_t) (C - 1 (C w)^T) Sigma_w, Sigma_w = diag(w) - w w^T (eigenvalues in [0, 1/2]); its
-  eigenvalues are real and lie in [0, lambda_max / tau_t) subset [0, 1/c), so it is a contraction and the
-  equilibrium is unique. Equivalently the potential <b, w> - V(w) / tau_t + H(w) is strictly concave on the
-  simplex (V(w) = w^T diag(C) - w^T C w: its Hessian on zero-sum v is 2 v^T C v / tau_t - sum v_l^2 / w_l <=
-  2 (lambda_max / tau_t - 1) |v|^2 < 0), and the equilibrium is its maximiser.
-* **Room to act (the proven bound).** e_l = (delta_l - w)^T C (delta_l - w) lies in
-  [0, 2 lambda_max (1 - w_l)^2], so at the equilibrium, for available scales l, m,
-
-      |log(w_l / w_m) - (b_l - b_m)| <= 2 lambda_max max((1 - w_l)^2, (1 - w_m)^2) / tau_t < 2 / c,
-
-  and every weight lies within a factor exp(2 / c) of its prior weight softmax(b)_l. The bound is tight: two
-  opposed scales with the prior on the first approach it as tau -> 0. (The floor tau + 2 |C|_F used before kept
-  each move below 1 nat; with c = 1.05 a log-odds can move by up to 1.90 nats.)
-
-The game is a conformity game: a scale far from the consensus loses weight, so an outlier scale is discounted and
-the scales that agree gain; where every scale agrees (C = 0) the weights are softmax(b).
+The effective temperature is tau_t = tau + c lambda_max(C) with c = :data:`FLOOR` (just above 1): the equilibrium
+is then unique for every learned tau > 0, and at it each log-odds log(w_l / w_m) lies within
+2 lambda_max max((1 - w_l)^2, (1 - w_m)^2) / tau_t < 2 / c of the prior's b_l - b_m. The proofs, the tightness of
+the bound and the Jacobian of the best response are in docs/design.md §4 (The Nash game).
 
 Solver: safeguarded Newton in logit space (each step takes whichever of the Newton step and the plain best-response
 step leaves the smaller residual; L <= a few, so the L x L solves are cheap), from z = b; each position stops one

@@ -12,6 +12,7 @@ import shlex
 import sys
 
 from nash_mhc.cli import OneLineParser, fail
+from nash_mhc.platforms import select_platform
 from nash_mhc.study import ablation, scaling, stability
 from nash_mhc.study.runner import StudyError
 
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    select_platform()  # before anything starts a JAX backend
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command_line = shlex.join(["python", "-m", "nash_mhc.study", *argv])
