@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from nash_mhc.config import ModelConfig
+# ``ModelConfig`` (nash_mhc.config) in the annotations is a name only: config.py calls this module, so importing it
+# back, even for type checking, would make a cycle.
 
 FREE_PRIMITIVES = {"broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "expand_dims", "slice",
                    "concatenate", "transpose", "copy", "copy_p", "pjit", "iota", "stop_gradient"}

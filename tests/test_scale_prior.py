@@ -21,7 +21,7 @@ MODEL = ModelConfig.preset("tiny", seq_len=SEQ)  # block sizes 1, 2, 4: the coar
 
 
 def reference_available(seq: int, block_sizes: tuple[int, ...]) -> np.ndarray:
-    """bool [T, L]: position t has a complete block of scale l (DESIGN.md §1: t + 1 >= s_l)."""
+    """bool [T, L]: position t has a complete block of scale l (docs/design.md §3.2: t + 1 >= s_l)."""
     return np.arange(seq)[:, None] + 1 >= np.asarray(block_sizes)[None, :]
 
 
