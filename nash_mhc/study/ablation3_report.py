@@ -170,12 +170,13 @@ def write_outputs(args: argparse.Namespace, settings: Any, variants: list[str], 
         table.append([row["label"], f"{row['chosen_learning_rate']:g}" if row["chosen_learning_rate"] else "-",
                       row["state"], pm(*s["equal_tokens"], digits=4), str(row["equal_flops_step"]),
                       pm(*s["equal_flops"], digits=4),
-                      ", ".join(str(p["checkpoint_step"]) for p in row["wallclock"].values()) or "-",
+                      ", ".join(f"{p['wallclock_step']}→{p['checkpoint_step']}" for p in row["wallclock"].values())
+                      or "-",
                       pm(*s["equal_wallclock"], digits=4), pm(*s["coarse_weight"], digits=3),
                       report.millions(row["flops_per_token"]), pm(*row["step_time_s"], digits=3)])
     lines += report.markdown_table(["variant", "lr", "grid", "bits/byte, equal tokens", "FLOPs step",
-                                    "bits/byte, equal FLOPs", "wall-clock steps", "bits/byte, equal wall-clock",
-                                    "coarse weight", "FLOPs/token", "s/step"], table)
+                                    "bits/byte, equal FLOPs", "wall-clock step w→checkpoint",
+                                    "bits/byte, equal wall-clock", "coarse weight", "FLOPs/token", "s/step"], table)
     lines += ["", "Mean ± sample std over seeds.", "", "## Every cell", ""]
     cell_rows = [[row["label"], f"{c['learning_rate']:g}", str(c["seed"]), c["status"],
                   "-" if c["selection_bits_per_byte"] is None else f"{c['selection_bits_per_byte']:.4f}",
