@@ -22,6 +22,8 @@ REFERENCE = "tests/test_reference.py"
 SINKHORN_ORDER = ("c = normalise(z, 0)\n    return c, normalise(c, 1)",
                   "c = normalise(z, 1)\n    return c, normalise(c, 0)")
 
+V3_RULES, V3_TESTS = "nash_mhc/study/ablation3_protocol.py", "tests/test_study_ablation3.py"
+
 # name: (file, [(old, new), ...], test files)
 MUTATIONS = {
     "attention scale 1/K": ("nash_mhc/ops/attention.py", [("(1.0 / head_dim**0.5)", "(1.0 / head_dim)")],
@@ -312,6 +314,29 @@ MUTATIONS = {
         [("ce_sum = jax.lax.psum(jnp.sum(nll * mask), BATCH_AXES)",  # global count × mean of per-shard means
           "ce_sum = jax.lax.pmean(jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0), BATCH_AXES)"
           " * jax.lax.psum(jnp.sum(mask), BATCH_AXES)")], ["tests/test_step.py"]),
+    # ablation v3's protocol (nash_mhc/study/ablation3_protocol.py, ablation3_report.py)
+    "v3 rate chosen on the first seed": (V3_RULES, [("(sum(values) / len(values) if values and",
+                                                     "(values[0] if values and")], [V3_TESTS]),
+    "v3 grid never grows": (V3_RULES, [("grid, added = sorted([*grid, new]), added + 1",
+                                        'return {"grid": grid, "best": best, "means": means, "state": "interior"}')],
+                            [V3_TESTS]),
+    "v3 grid grows the wrong way": (V3_RULES, [("up=best == grid[-1] != grid[0]", "up=best == grid[0]")], [V3_TESTS]),
+    "v3 grid without its hard limit": (V3_RULES, [("if added >= max_extra or", "if False or")], [V3_TESTS]),
+    "v3 differences not paired by seed": (V3_RULES, [("diffs = {s: a[s] - b[s] for s in seeds}",
+                                                      "diffs = {s: a[s] - b[seeds[-1 - i]] for i, s in "
+                                                      "enumerate(seeds)}")], [V3_TESTS]),
+    "v3 standard error with n for n - 1": (V3_RULES, [("/ (n - 1) / n)", "/ n / n)")], [V3_TESTS]),
+    "v3 normal quantile for t": (V3_RULES, [("half = t975(n - 1) * se", "half = 1.96 * se")], [V3_TESTS]),
+    "v3 null inverted": (V3_RULES, [('"null": interval[0] <= 0.0 <= interval[1]',
+                                     '"null": not interval[0] <= 0.0 <= interval[1]')], [V3_TESTS]),
+    "v3 wall-clock ratio inverted": (V3_RULES, [("steps * base_step_time / step_time", "steps * step_time / "
+                                                 "base_step_time")], [V3_TESTS]),
+    "v3 wall-clock read after the point": (V3_RULES, [("max((s for s in available if 0 < s <= step), default=None)",
+                                                       "min((s for s in available if s >= step), default=None)")],
+                                           [V3_TESTS]),
+    "v3 report at the baseline's rate": ("nash_mhc/study/ablation3_report.py",
+                                         [("(r := _get(results, v, best, s))",
+                                           '(r := _get(results, v, grids[variants[0]]["best"], s))')], [V3_TESTS]),
 }
 
 

@@ -1,8 +1,11 @@
-"""Studies that produce the project's published evidence: ``python -m nash_mhc.study {ablation,scaling,stability}``.
+"""Studies that produce the project's published evidence: ``python -m nash_mhc.study {ablation,ablation3,...}``.
 
 - :mod:`nash_mhc.study.ablation` (orchestration) and :mod:`~nash_mhc.study.ablation_report` (outputs): every
   variant (residual x attention, :mod:`~nash_mhc.study.variants`) at its own learning rate, chosen on a held-out
   selection split; bits per byte on a disjoint report split at equal tokens and at equal FLOPs, paired by seed.
+- :mod:`nash_mhc.study.ablation3` (v3: every rate on every seed, a grid that grows off its edges, equal tokens /
+  full FLOPs / wall-clock, scale starts and sparsity; rules in :mod:`~nash_mhc.study.ablation3_protocol`, outputs
+  in :mod:`~nash_mhc.study.ablation3_report`).
 - :mod:`nash_mhc.study.scaling` and :mod:`~nash_mhc.study.scaling_report`: a ladder of model sizes per variant at
   a fixed tokens-per-parameter ratio, bits per byte against training FLOPs, power-law fits
   (:mod:`~nash_mhc.study.powerlaw`).
@@ -10,7 +13,7 @@
   rates, trained in-process on the library API, with the gains of the composite residual mapping
   (:mod:`~nash_mhc.study.gains`) and mHC's Sinkhorn inputs and outputs (:mod:`~nash_mhc.study.sinkhorn_probe`).
 
-The ablation and scaling studies drive ``python -m nash_mhc.train`` / ``nash_mhc.evaluate`` as child processes
+The ablation (both) and scaling studies drive ``python -m nash_mhc.train`` / ``nash_mhc.evaluate`` as child processes
 (:mod:`~nash_mhc.study.child_runs`, :mod:`~nash_mhc.study.runner`). Every study resumes: a finished run is never
 re-run, an interrupted one continues where it stopped. Reports end with the full-size command for a TPU and its
 cost estimate (:mod:`~nash_mhc.study.tpu_estimate`).

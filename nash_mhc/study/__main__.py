@@ -1,4 +1,4 @@
-"""``python -m nash_mhc.study {ablation,scaling,stability} [flags]``: run a study into an output directory.
+"""``python -m nash_mhc.study {ablation,ablation3,scaling,stability} [flags]``: run a study into an output directory.
 
 Exit codes: 0 every run finished (or the study stopped cleanly on SIGTERM/SIGINT: rerun the same command
 to continue), 1 some runs failed (their logs are named), 2 bad arguments or an output directory holding
@@ -13,14 +13,15 @@ import sys
 
 from nash_mhc.cli import OneLineParser, fail
 from nash_mhc.platforms import select_platform
-from nash_mhc.study import ablation, scaling, stability
+from nash_mhc.study import ablation, ablation3, scaling, stability
 from nash_mhc.study.runner import StudyError
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m nash_mhc.study", description=__doc__.splitlines()[0].split(": ", 1)[-1])
     commands = p.add_subparsers(dest="study", required=True, parser_class=OneLineParser)
-    for name, module in (("ablation", ablation), ("scaling", scaling), ("stability", stability)):
+    for name, module in (("ablation", ablation), ("ablation3", ablation3), ("scaling", scaling),
+                         ("stability", stability)):
         summary = module.__doc__.splitlines()[0].split(": ", 1)[-1]
         sub = commands.add_parser(name, help=summary, description=summary,
                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
