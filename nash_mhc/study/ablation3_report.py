@@ -16,6 +16,21 @@ from nash_mhc.study.variants import label3, spec3
 BUDGETS = {"equal_tokens": "equal tokens", "equal_flops": "equal full FLOPs", "equal_wallclock": "equal wall-clock"}
 
 
+ESTIMATE = (  # written before the first full run, from docs/results/ablation (v2) and this study's smoke runs
+    "Estimate for the default study on the shared 2-core VM (CPU, float32, other jobs running), made before "
+    "it ran: 11 variants x 3 rates x 3 seeds = 99 runs of S = 700 steps at batch 8, plus 3 runs per added rate "
+    "(v2 put 6 of its 16 variants' rates on the grid's top edge at S = 400; assuming 3 variants grow by one "
+    "rate: about 108 runs). Seconds per step at batch 8, seq 256: measured in a 40-step smoke run of this study "
+    "(load average 4-5) plain+full 0.065 and mhc+nash@uniform 0.218; v2's table (load 3-5) scaled by the smoke "
+    "run's 1.4 for plain+full: mhc+full 0.20, mhc-lite+full 0.081, mhc+gate 0.146, mhc+convex 0.136, and 0.218 "
+    "for every nash variant: 1.78 s summed over the 11 variants, so 9 x 700 x 1.78 s = 3 h 07 min of steps, "
+    "plus about 16 min for the added rates. Overheads from the smoke run: a compile per variant and rate (15-35 "
+    "s, about 36 of them: 18 min) and, per run, two training-session start-ups and 3-4 evaluations of 4-13 s "
+    "each (about 40 s: 70 min). In all about 4 h 40 min at that load (about 3 h 15 min at v2's step times); "
+    "with --steps 400 (v2's published length) about 3 h 20 min (2 h 20 min). Disk: every checkpoint is kept, "
+    "about 2.2 MB each at tiny, 29-30 per run at the default interval: about 7 GB.")
+
+
 def _get(results: dict[Any, dict[str, Any]], variant: str, lr: float | None, seed: int) -> dict[str, Any] | None:
     return next((r for k, r in results.items() if (k.variant, k.learning_rate, k.seed) == (variant, lr, seed)), None)
 
@@ -119,7 +134,6 @@ def write_outputs(args: argparse.Namespace, settings: Any, variants: list[str], 
                   grids: dict[str, dict[str, Any]], results: dict[Any, dict[str, Any]],
                   points: dict[str, dict[int, dict[str, Any]]], invocation_s: float) -> None:
     """results.json and results.md in ``--report-dir``."""
-    from nash_mhc.study.ablation3 import ESTIMATE
 
     out = report.report_dir(args)
     seeds = list(args.seeds)
