@@ -56,32 +56,22 @@ from tqdm import tqdm
 
 from nash_mhc.cli import add_compile_cache_argument
 from nash_mhc.config import ModelConfig
+from nash_mhc.study import ablation, ablation3_report, report
 from nash_mhc.study import ablation3_protocol as protocol
-from nash_mhc.study import ablation3_report, report
 from nash_mhc.study.ablation import Run
 from nash_mhc.study.child_runs import ChildRun, Diverged, Failed, Stopped, median_step_time, resolved_configs, travel
 from nash_mhc.study.runner import ChildRunner, StudyError, python_module, read_json, study_directory, write_json
 from nash_mhc.study.variants import V3_VARIANTS, spec3, variant_flags3
 
 MIN_SEQ_LEN = 256  # coarse scales need long-range context to be worth using
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """What every run of one study shares (kept in ``<out>/study.json``; a rerun must agree with it)."""
 
-    model: str
-    seq_len: int
-    steps: int
-    batch_size: int
-    warmup_steps: int | None
-    dataset: str
-    tokenizer: str
-    dataset_name: str | None
-    selection_batches: int
-    report_batches: int
-    eval_batch_size: int
+
+@dataclasses.dataclass(frozen=True)
+class Settings(ablation.Settings):
+    """v2's shared settings (kept in ``<out>/study.json``; a rerun must agree with it) and v3's own two."""
+
     checkpoint_interval: int
     max_extra_rates: int
-    train_args: tuple[str, ...]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
