@@ -285,6 +285,8 @@ MUTATIONS = {
     "splash cost counts the batch twice": ("nash_mhc/ops/splash.py",
                                            [("kernel_costs(1, seq, heads", "kernel_costs(q.shape[0], seq, heads")],
                                            ["tests/test_splash.py"]),
+    "splash keeps its xprof metadata": ("nash_mhc/ops/splash.py", [('options.pop("metadata", None)', "options")],
+                                        ["tests/test_splash.py"]),
     "upsampling kernel shifts nothing": ("nash_mhc/ops/upsample_kernel.py",
                                          [("jnp.where(row == 0, previous, pltpu.roll(y, shift=1, axis=0))", "y")],
                                          ["tests/test_upsample_kernel.py"]),
