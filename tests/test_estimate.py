@@ -214,7 +214,7 @@ def compile_step(model: ModelConfig, train: TrainConfig, slice_name: str):
 @needs_libtpu
 def test_the_train_steps_loops_match_an_unrolled_compile_of_the_same_step():
     """mhc + multiscale + nash with every kind of loop (2 microbatches, 2 loss chunks, remat in groups of 2
-    layers, 5 Nash iterations; Sinkhorn's 3 run inside its Pallas kernels) and the flash and stream kernels:
+    layers, 5 Nash iterations; Sinkhorn's 3 run inside its Pallas kernels) and the splash and stream kernels:
     the loops the estimate finds have the configured trip counts, and the matmuls of the step add up to those
     of the fully unrolled compile within 10 % (seen: 1.03 x; 1.04 x before the stream kernels). The rest of the
     scanned program costs more than the unrolled one (seen: 1.04 x in all, 1.12 x before): stacking the saved
@@ -227,7 +227,8 @@ def test_the_train_steps_loops_match_an_unrolled_compile_of_the_same_step():
     scanned = step_cost(compile_step(model, train, "v6e-8").as_text(), "TPU v6 lite")
     with unrolled_scans():
         flat = step_cost(compile_step(model, train, "v6e-8").as_text(), "TPU v6 lite")
-    # seq 256 runs the Pallas flash kernels (forward, recomputed forward, dK/dV, dQ), costed by their declarations
+    # seq 256 runs splash attention (forward, recomputed forward, dK/dV, dQ), costed by the declarations
+    # nash_mhc.ops.splash hands it
     assert scanned.kernel_cycles > 0 and flat.kernel_cycles > 0 and "custom-call" not in scanned.uncosted
     assert {trips for _, trips, _ in flat.loops} == {5}  # only the Nash solver's while loops stay (may stop early)
     assert {trips for _, trips, _ in scanned.loops} == {2, 5}

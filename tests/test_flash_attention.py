@@ -12,8 +12,6 @@ import pytest
 from helpers import declared
 from jax.sharding import PartitionSpec as P
 
-from nash_mhc.layers.attention import attend
-from nash_mhc.ops.dispatch import lowering_platform
 from nash_mhc.ops.flash_attention import BLOCK_SIZES, flash_block, flash_causal_attention, kernel_costs
 from nash_mhc.sharding import make_mesh, per_shard_attention
 
@@ -195,17 +193,3 @@ def test_a_gpu_backend_without_cuda_keeps_the_xla_attention(monkeypatch):
     q = jax.random.normal(jax.random.key(0), (2, 64, 4, 16), jnp.float32).astype(jnp.bfloat16)
     text = jax.jit(attend).lower(q, q, q).as_text()
     assert "cudnn" not in text.lower()
-
-
-@pytest.mark.parametrize("kernel_consumer", [False, True])
-def test_attention_feeding_a_kernel_makes_d_in_the_dq_kernel_on_tpu(kernel_consumer):
-    """attend(kernel_consumer=True), lowered for TPU: the dQ kernel makes D (its declared cost says so); without
-    it XLA makes D, which it fuses into dO's producer where that is a matmul."""
-    seq = 256
-    costs = kernel_costs(B, seq, H, K, 2, flash_block(seq), kernel_consumer)
-    x = jax.ShapeDtypeStruct((B, seq, H, K), jnp.bfloat16)
-
-    def loss(q, k, v):
-        return attend(q, k, v, kernel_consumer=kernel_consumer).astype(jnp.float32).sum()
-    with lowering_platform("tpu"):
-        assert declared(jax.grad(loss, argnums=(0, 1, 2)), x, x, x) == [costs.forward, costs.dq, costs.dkv]

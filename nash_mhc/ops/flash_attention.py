@@ -26,8 +26,13 @@ index at the last visited one, so a key block is read once per query block that 
 The TPU compiler gives a custom call no cycle estimate of its own; :mod:`nash_mhc.training.estimate` costs it
 from this declaration (at the chip's roofline).
 
-Used on TPU only (:func:`nash_mhc.ops.attention.attend`); elsewhere and for shapes without a block size the
-XLA path runs. ``interpret=True`` runs the kernels in Pallas' interpreter (CPU tests).
+Not used by the model: :func:`nash_mhc.layers.attention.attend` runs JAX's shipped, hardware-tested splash
+attention on TPU (:mod:`nash_mhc.ops.splash`), which tiles every length these kernels tile (T a multiple of 128)
+and computes the same function. None of these kernels has run on a TPU. Kept only for what splash does not do:
+``dq_makes_d`` (splash always makes D in XLA, a pass of its own over dO and O when a Pallas kernel made dO; the
+figure above is the compiler's estimate at our declared cost, not a measurement), as the tested alternative should
+a TPU show that pass to matter; otherwise a candidate for removal. ``interpret=True`` runs the kernels in Pallas'
+interpreter (CPU tests).
 """
 
 from __future__ import annotations
