@@ -20,8 +20,8 @@ def build_parser() -> OneLineParser:
     check = commands.add_parser("check", help="check the kernels of a preset's train step")
     check.error = parser.error  # one-line errors for the subcommand's flags too
     check.add_argument("--model", default="tiny", choices=list(ModelConfig.PRESETS), help="model preset")
-    check.add_argument("--batch-size", type=int, default=None,
-                       help="global batch (default: one sequence per local device)")
+    check.add_argument("--batch-size", type=int, default=TrainConfig.batch_size,
+                       help="batch over the local devices, as train's --batch-size on this host (default: %(default)s)")
     check.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the preset's)")
     check.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (default: the preset's)")
     check.add_argument("--seed", type=int, default=0, help="seed of the random operands")
@@ -35,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     from nash_mhc.kernels.check import report_lines, run_check
 
     overrides = {k: v for k, v in (("seq_len", args.seq_len), ("dtype", args.dtype)) if v is not None}
-    devices = jax.devices()
+    devices = jax.local_devices()
     try:
         model_config = ModelConfig.preset(args.model, **overrides)
-        batch = len(devices) if args.batch_size is None else args.batch_size
+        batch = args.batch_size
         if batch < 1 or batch % len(devices):
             raise ValueError(f"--batch-size {batch} must be a positive multiple of the {len(devices)} local devices")
         report = run_check(model_config, TrainConfig(batch_size=batch, total_steps=1), devices, seed=args.seed)

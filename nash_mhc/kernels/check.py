@@ -16,7 +16,6 @@ import jax
 
 from nash_mhc.config import ModelConfig
 from nash_mhc.kernels.discover import discover, kernel_choices
-from nash_mhc.kernels.jaxprs import short_name
 from nash_mhc.kernels.replay import Result, check_choice
 from nash_mhc.training.config import TrainConfig
 
@@ -43,7 +42,7 @@ def run_check(model_config: ModelConfig, train_config: TrainConfig, devices: Seq
               seed: int = 0, repeats: int = 3) -> CheckReport:
     """Check every kernel of the train step of ``model_config`` at ``train_config``'s batch on ``devices``
     (default: the local ones)."""
-    devices = list(jax.devices() if devices is None else devices)
+    devices = list(jax.local_devices() if devices is None else devices)
     discovery = discover(model_config, train_config, devices)
     kept, unchecked = kernel_choices(discovery)
     key = jax.random.key(seed)
@@ -68,7 +67,7 @@ def report_lines(report: CheckReport) -> list[str]:
         speed = r.xla_ms / r.kernel_ms if r.kernel_ms else float("inf")
         lines.append(f"{r.name:<18} {_error(r.forward):<17} {_error(r.vjp):<17} {r.tolerance:<7.0e} "
                      f"{r.kernel_ms:>10.2f} {r.xla_ms:>9.2f} {speed:>7.2f}x  {'ok' if r.ok else 'FAIL':<6}  "
-                     f"{', '.join(short_name(k) for k in r.kernels)}")
+                     f"{', '.join(r.kernels)}")
     failed = [r.name for r in report.results if not r.ok]
     if report.unchecked:
         lines.append(f"unchecked: {', '.join(sorted(report.unchecked))} (in the step, in no named choice of "
