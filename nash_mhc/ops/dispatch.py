@@ -97,6 +97,21 @@ def kernels_setting() -> str:
     return _KERNELS.value
 
 
+# disable_kernels' value: the names of the choices that take their XLA form (a context as _KERNELS is).
+_DISABLED = jax.make_user_context(frozenset())
+
+
+def disable_kernels(names: Any) -> Any:
+    """A context manager: within it the :func:`platform_dependent` choices named ``names`` take their XLA form
+    whatever the ``kernels`` setting (the kernels that failed their check). Part of the key of JAX's caches."""
+    return _DISABLED(frozenset(names))
+
+
+def disabled_kernels() -> frozenset[str]:
+    """The :func:`disable_kernels` names in force."""
+    return _DISABLED.value
+
+
 def tpu_kernels() -> bool:
     """Whether the step takes the TPU kernels' paths that are chosen while it is traced (outside
     :func:`platform_dependent`, e.g. a layout that only the kernels want): under ``auto`` where
@@ -155,14 +170,14 @@ def platform_dependent(*args: Any, default: Callable[..., Any] | None = None, na
     (the same branch that lowering would pick); else every branch, chosen when the program is lowered
     (``jax.export`` for several platforms, a model called by a bare jit). Under :func:`use_kernels` ``xla``
     always ``default``'s branch, under ``pallas`` always ``tpu``'s (where there is one). ``name`` names the choice
-    for the kernels check (:func:`recording`)."""
+    for the kernels check (:func:`recording`); a name in :func:`disable_kernels` takes ``default``'s branch."""
     recorder = _RECORDER.value
     if recorder is None or name is None or "tpu" not in per_platform or default is None or recorder.depth:
-        return _choose(args, default, per_platform)
+        return _choose(args, default, per_platform, name)
     start = len(recorder.kernels)
     recorder.depth += 1
     try:
-        out = _choose(args, default, per_platform)
+        out = _choose(args, default, per_platform, name)
     finally:
         recorder.depth -= 1
     recorder.note(Choice(name, per_platform["tpu"], default, jax.tree.map(_spec, args),
@@ -170,9 +185,11 @@ def platform_dependent(*args: Any, default: Callable[..., Any] | None = None, na
     return out
 
 
-def _choose(args: tuple[Any, ...], default: Callable[..., Any] | None, per_platform: dict[str, Callable[..., Any]]
-            ) -> Any:
+def _choose(args: tuple[Any, ...], default: Callable[..., Any] | None, per_platform: dict[str, Callable[..., Any]],
+            name: str | None) -> Any:
     kernels = _KERNELS.value
+    if name is not None and default is not None and name in _DISABLED.value:
+        kernels = "xla"
     if kernels != "auto" and default is not None:
         return (default if kernels == "xla" else per_platform.get("tpu", default))(*args)
     platform = settled_platform()
@@ -210,7 +227,7 @@ def platform_vjp(tpu: Callable[..., jax.Array], default: Callable[..., jax.Array
         return f(*args), args
 
     def backward(args: tuple[jax.Array, ...], cotangent: jax.Array) -> tuple[jax.Array, ...]:
-        return platform_dependent(*args, cotangent, tpu=pullback(tpu), default=pullback(default))
+        return _choose((*args, cotangent), pullback(default), {"tpu": pullback(tpu)}, name)  # not recorded
 
     f.defvjp(forward, backward)
     return f
@@ -267,6 +284,6 @@ def recording() -> Iterator[Recorder]:
         yield recorder
 
 
-__all__ = ["BREAK_KERNEL", "KERNELS", "Choice", "Recorder", "interpreting", "kernel_name", "kernels_setting",
-           "lowering_platform", "pallas_call", "platform_dependent", "platform_of", "platform_vjp", "recording",
-           "settled_device_kind", "settled_platform", "tpu_kernels", "use_kernels"]
+__all__ = ["BREAK_KERNEL", "KERNELS", "Choice", "Recorder", "disable_kernels", "disabled_kernels", "interpreting",
+           "kernel_name", "kernels_setting", "lowering_platform", "pallas_call", "platform_dependent", "platform_of",
+           "platform_vjp", "recording", "settled_device_kind", "settled_platform", "tpu_kernels", "use_kernels"]
