@@ -227,7 +227,8 @@ def platform_vjp(tpu: Callable[..., jax.Array], default: Callable[..., jax.Array
         return f(*args), args
 
     def backward(args: tuple[jax.Array, ...], cotangent: jax.Array) -> tuple[jax.Array, ...]:
-        return _choose((*args, cotangent), pullback(default), {"tpu": pullback(tpu)}, name)  # not recorded
+        forms = dict(tpu=pullback(tpu), default=pullback(default))
+        return _choose((*args, cotangent), forms.pop("default"), forms, name)  # a choice, but not recorded
 
     f.defvjp(forward, backward)
     return f
