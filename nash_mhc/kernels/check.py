@@ -58,8 +58,8 @@ def _error(error: tuple[float, float] | None) -> str:
 
 
 def report_lines(report: CheckReport) -> list[str]:
-    """A table: one row per checked choice (its name and Pallas kernels), max abs and relative error forward and
-    VJP, the tolerance (relative), the kernel's and XLA's milliseconds (forward + VJP) and the speed-up."""
+    """A table: one row per checked choice (its name, Pallas kernels and operands), max abs and relative error
+    forward and VJP, the tolerance (relative), the kernel's and XLA's milliseconds (forward + VJP) and the speed-up."""
     header = (f"{'kernel':<18} {'forward abs rel':<17} {'vjp abs rel':<17} {'tol':<7} {'kernel ms':>10} "
               f"{'xla ms':>9} {'speed-up':>8}  result  pallas calls")
     lines = [f"kernels check on {report.target}: {len(report.results)} kernels", header]
@@ -67,7 +67,7 @@ def report_lines(report: CheckReport) -> list[str]:
         speed = r.xla_ms / r.kernel_ms if r.kernel_ms else float("inf")
         lines.append(f"{r.name:<18} {_error(r.forward):<17} {_error(r.vjp):<17} {r.tolerance:<7.0e} "
                      f"{r.kernel_ms:>10.2f} {r.xla_ms:>9.2f} {speed:>7.2f}x  {'ok' if r.ok else 'FAIL':<6}  "
-                     f"{', '.join(r.kernels)}")
+                     f"{', '.join(r.kernels)} at {r.shapes}")
     failed = [r.name for r in report.results if not r.ok]
     if report.unchecked:
         lines.append(f"unchecked: {', '.join(sorted(report.unchecked))} (in the step, in no named choice of "

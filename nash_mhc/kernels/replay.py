@@ -137,8 +137,8 @@ def check_choice(choice: dispatch.Choice, kernels: tuple[str, ...], mesh: Mesh, 
     out = jax.eval_shape(choice.tpu, *choice.args)
     cotangent = random_tree(out, jax.random.fold_in(key, 1))
     floats = [leaf for leaf in jax.tree.leaves(choice.args) if _floating(leaf)]
-    precision = min((jnp.finfo(leaf.dtype).eps for leaf in floats), default=jnp.finfo(jnp.float32).eps)
-    dtype = next(name for name in TOLERANCE if jnp.finfo(name).eps >= precision) if floats else "float32"
+    lowest = max((jnp.finfo(leaf.dtype).eps for leaf in floats), default=jnp.finfo(jnp.float32).eps)
+    dtype = min(TOLERANCE, key=lambda name: abs(float(jnp.finfo(name).eps) - float(lowest)))
     results = {}
     with jax.set_mesh(mesh):
         with dispatch.use_kernels("pallas"):
