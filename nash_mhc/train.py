@@ -177,6 +177,8 @@ def _run(run_configs: Configs, cache: CompileCache, options: CompileOnly, wandb_
         return compile_only(run_configs, options)
 
     from nash_mhc import hardware
+    from nash_mhc.kernels import trust
+    from nash_mhc.ops import dispatch
     from nash_mhc.training import loop, profiling, session, wandb_log  # Orbax, TensorBoard: after argument errors
     from nash_mhc.training.step import train_step
 
@@ -184,6 +186,9 @@ def _run(run_configs: Configs, cache: CompileCache, options: CompileOnly, wandb_
         hardware.initialize_distributed()
         wandb_log.check_available(wandb_config, run_configs.run.checkpoint_dir)  # package, run id, key
         cache.use()  # a local directory or a bucket (gs://...)
+        # auto checks the step's kernels before it trusts them (TPU): a failing one runs its XLA form
+        disabled = trust.trusted_kernels(dispatch.kernels_setting(), run_configs.model, run_configs.train,
+                                         cache.compile_cache_dir)
         run_session = session.prepare(run_configs)
     except (ValueError, OSError) as error:  # bad input, or a filesystem that refuses it
         return fail(error)
@@ -202,7 +207,8 @@ def _run(run_configs: Configs, cache: CompileCache, options: CompileOnly, wandb_
                             run_configs.train.total_steps) as profiler:
         if profiler.note is not None:
             run_session.summary.append(profiler.note)
-        return loop.train(run_session, profiler.wrap(train_step))
+        with dispatch.disable_kernels(disabled):
+            return loop.train(run_session, profiler.wrap(train_step))
 
 
 if __name__ == "__main__":

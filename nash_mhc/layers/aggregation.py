@@ -95,7 +95,7 @@ class ScaleAggregation(eqx.Module):
                 nash = functools.partial(nash_aggregate, num_iters=self.num_iters)
                 output, weights, residual = platform_dependent(
                     outputs, available, prior, jnp.exp(log_temperature), tpu=functools.partial(nash, kernels=True),
-                    default=nash)
+                    default=nash, name="nash_aggregate")
             else:
                 weights = (gate_weights(outputs, available, prior, gate) if gate is not None
                            else prior_weights(prior, available))

@@ -54,7 +54,7 @@ def attend(q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch s
         kernels["cuda"] = per_shard_attention(cudnn_causal_attention)
     if not kernels:
         return xla(q, k, v)
-    return platform_dependent(q, k, v, default=xla, **kernels)
+    return platform_dependent(q, k, v, default=xla, name="attention", **kernels)
 
 
 class MultiscaleAttention(eqx.Module):

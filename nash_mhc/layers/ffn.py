@@ -50,7 +50,7 @@ def _swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array)
 
 def gated_silu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """silu(gate) ⊙ up [T, F]. On TPU its backward pass writes d gate and d up once (:func:`gated_silu_tpu`)."""
-    return platform_dependent(gate, up, tpu=gated_silu_tpu, default=_gated_silu)
+    return platform_dependent(gate, up, tpu=gated_silu_tpu, default=_gated_silu, name="gated_silu")
 
 
 def _gated_silu(gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -213,7 +213,8 @@ class HyperConnection(eqx.Module):
                                      update is not None)
         if mix_blocks(xs.shape[1], xs.shape[2]) is None:
             return collapse(*operands, kernels=False)
-        return platform_dependent(*operands, tpu=collapse, default=functools.partial(collapse, kernels=False))
+        return platform_dependent(*operands, tpu=collapse, default=functools.partial(collapse, kernels=False),
+                                  name="collapse_streams")
 
 
 def _connection_collapse(coefficients: Callable, pre: PreWeights, eps: float | None, update: bool, xs: jax.Array,
@@ -322,7 +323,8 @@ def mix_streams(xs: Float[Array, "n seq dim"], y: Float[Array, "seq dim"], h_res
     if mix_blocks(xs.shape[1], xs.shape[2]) is None:
         return xla(xs, y, h_res, h_post)
     shard = functools.partial(_mix_shard, defer=defer)
-    return platform_dependent(xs, y, h_res, h_post, tpu=per_shard(shard, *SHARD_AXES), default=xla)
+    return platform_dependent(xs, y, h_res, h_post, tpu=per_shard(shard, *SHARD_AXES), default=xla,
+                              name="mix_streams")
 
 
 def _mix_shard(xs: jax.Array, y: jax.Array, h_res: jax.Array, h_post: jax.Array, defer: bool = False) -> jax.Array:

@@ -34,4 +34,4 @@ class RMSNorm(eqx.Module):
     @jaxtyped(typechecker=beartype)
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         y = rms_norm(x, self.weight, self.eps)
-        return platform_dependent(y, tpu=jax.lax.optimization_barrier, default=lambda y: y)
+        return platform_dependent(y, tpu=jax.lax.optimization_barrier, default=lambda y: y, name="norm_barrier")

@@ -290,7 +290,8 @@ def _solve_positions(gram: jax.Array, prior: jax.Array, temperature: jax.Array, 
     if gram.dtype != jnp.float32 or position_rows(temperature.size) is None:
         return xla(gram, prior, temperature, available)
     kernel = functools.partial(_equilibrium_kernel, max_iters=max_iters, interpret=False)
-    return platform_dependent(gram, prior, temperature, available, tpu=kernel, default=xla)
+    return platform_dependent(gram, prior, temperature, available, tpu=kernel, default=xla,
+                              name="equilibrium")
 
 
 def _equilibrium_xla(gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array,

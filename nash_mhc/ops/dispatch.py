@@ -24,7 +24,11 @@ form on every platform, run in Pallas' interpreter where the step is not lowered
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -93,6 +97,21 @@ def kernels_setting() -> str:
     return _KERNELS.value
 
 
+# disable_kernels' value: the names of the choices that take their XLA form (a context as _KERNELS is).
+_DISABLED = jax.make_user_context(frozenset())
+
+
+def disable_kernels(names: Any) -> Any:
+    """A context manager: within it the :func:`platform_dependent` choices named ``names`` take their XLA form
+    whatever the ``kernels`` setting (the kernels that failed their check). Part of the key of JAX's caches."""
+    return _DISABLED(frozenset(names))
+
+
+def disabled_kernels() -> frozenset[str]:
+    """The :func:`disable_kernels` names in force."""
+    return _DISABLED.value
+
+
 def tpu_kernels() -> bool:
     """Whether the step takes the TPU kernels' paths that are chosen while it is traced (outside
     :func:`platform_dependent`, e.g. a layout that only the kernels want): under ``auto`` where
@@ -107,10 +126,26 @@ def interpreting() -> bool:
     return _KERNELS.value == "pallas" and (settled_platform() or jax.default_backend()) != "tpu"
 
 
+def kernel_name(kernel: Callable[..., Any], options: dict[str, Any]) -> str:
+    """The name Pallas gives the kernel's custom call (``kernel_name`` in the lowered TPU module)."""
+    while isinstance(kernel, functools.partial):
+        kernel = kernel.func
+    return options.get("name") or getattr(kernel, "__name__", "kernel")
+
+
 def pallas_call(kernel: Callable[..., Any], *, interpret: bool = False, **options: Any) -> Any:
     """``pl.pallas_call(kernel, **options)``, in Pallas' interpreter with ``interpret`` or :func:`interpreting`:
-    every kernel of the package is called through it."""
-    return pl.pallas_call(kernel, interpret=interpret or interpreting(), **options)
+    every kernel of the package is called through it. Under :func:`recording` each call is noted by its
+    :func:`kernel_name`; the kernel named by the environment variable :data:`BREAK_KERNEL` returns its outputs
+    plus one (a test hook: it makes the kernels check fail)."""
+    call = pl.pallas_call(kernel, interpret=interpret or interpreting(), **options)
+    name = kernel_name(kernel, options)
+    recorder = _RECORDER.value
+    if recorder is not None:
+        recorder.kernels.append(name)
+    if name not in os.environ.get(BREAK_KERNEL, "").split(","):
+        return call
+    return lambda *args: jax.tree.map(lambda out: out + 1, call(*args))
 
 
 def platform_of(tree: Any) -> str | None:
@@ -128,14 +163,33 @@ def platform_of(tree: Any) -> str | None:
     return default if isinstance(default, str) else default.platform  # a str is "cpu", "gpu" or "tpu"
 
 
-def platform_dependent(*args: Any, default: Callable[..., Any] | None = None, **per_platform: Callable[..., Any]
-                       ) -> Any:
+def platform_dependent(*args: Any, default: Callable[..., Any] | None = None, name: str | None = None,
+                       **per_platform: Callable[..., Any]) -> Any:
     """``jax.lax.platform_dependent(*args, default=default, **per_platform)``, tracing only the branch of the
     ambient mesh's platform (or, where no mesh names one, :func:`lowering_platform`'s) where it settles the choice
     (the same branch that lowering would pick); else every branch, chosen when the program is lowered
     (``jax.export`` for several platforms, a model called by a bare jit). Under :func:`use_kernels` ``xla``
-    always ``default``'s branch, under ``pallas`` always ``tpu``'s (where there is one)."""
+    always ``default``'s branch, under ``pallas`` always ``tpu``'s (where there is one). ``name`` names the choice
+    for the kernels check (:func:`recording`); a name in :func:`disable_kernels` takes ``default``'s branch."""
+    recorder = _RECORDER.value
+    if recorder is None or name is None or "tpu" not in per_platform or default is None or recorder.depth:
+        return _choose(args, default, per_platform, name)
+    start = len(recorder.kernels)
+    recorder.depth += 1
+    try:
+        out = _choose(args, default, per_platform, name)
+    finally:
+        recorder.depth -= 1
+    recorder.note(Choice(name, per_platform["tpu"], default, jax.tree.map(_spec, args),
+                         tuple(recorder.kernels[start:]), jax.sharding.get_abstract_mesh()))
+    return out
+
+
+def _choose(args: tuple[Any, ...], default: Callable[..., Any] | None, per_platform: dict[str, Callable[..., Any]],
+            name: str | None) -> Any:
     kernels = _KERNELS.value
+    if name is not None and default is not None and name in _DISABLED.value:
+        kernels = "xla"
     if kernels != "auto" and default is not None:
         return (default if kernels == "xla" else per_platform.get("tpu", default))(*args)
     platform = settled_platform()
@@ -150,7 +204,8 @@ def platform_dependent(*args: Any, default: Callable[..., Any] | None = None, **
     return jax.lax.platform_dependent(*args, default=default, **per_platform)
 
 
-def platform_vjp(tpu: Callable[..., jax.Array], default: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+def platform_vjp(tpu: Callable[..., jax.Array], default: Callable[..., jax.Array], *, name: str | None = None
+                 ) -> Callable[..., jax.Array]:
     """``f(*args) = platform_dependent(*args, tpu=tpu, default=default)``, differentiable in every
     argument, whose backward pass is ``platform_dependent`` of the two forms' VJPs at the saved ``args``.
 
@@ -166,17 +221,70 @@ def platform_vjp(tpu: Callable[..., jax.Array], default: Callable[..., jax.Array
 
     @jax.custom_vjp
     def f(*args: jax.Array) -> jax.Array:
-        return platform_dependent(*args, tpu=tpu, default=default)
+        return platform_dependent(*args, tpu=tpu, default=default, name=name)
 
     def forward(*args: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         return f(*args), args
 
     def backward(args: tuple[jax.Array, ...], cotangent: jax.Array) -> tuple[jax.Array, ...]:
-        return platform_dependent(*args, cotangent, tpu=pullback(tpu), default=pullback(default))
+        forms = dict(tpu=pullback(tpu), default=pullback(default))
+        return _choose((*args, cotangent), forms.pop("default"), forms, name)  # a choice, but not recorded
 
     f.defvjp(forward, backward)
     return f
 
 
-__all__ = ["KERNELS", "interpreting", "kernels_setting", "lowering_platform", "pallas_call", "platform_dependent",
-           "platform_of", "platform_vjp", "settled_device_kind", "settled_platform", "tpu_kernels", "use_kernels"]
+# ------------------------------------------------------------------------------------------- recording
+BREAK_KERNEL = "NASH_MHC_BREAK_KERNEL"  # test hook: comma-separated kernel names whose outputs pallas_call perturbs
+# recording's value: a Recorder (hashed by identity, so each recording traces afresh) or None.
+_RECORDER = jax.make_user_context(None)
+
+
+def _spec(leaf: Any) -> Any:
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if hasattr(leaf, "shape") else leaf
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One named choice that :func:`platform_dependent` made while a step was traced: its two forms, the operands'
+    shapes (pytree of ``ShapeDtypeStruct``, the shapes at the call: per shard inside a ``shard_map``), the Pallas
+    kernels its chosen branch called in the forward pass and the abstract mesh in force."""
+
+    name: str
+    tpu: Callable[..., Any]
+    default: Callable[..., Any]
+    args: tuple[Any, ...]
+    kernels: tuple[str, ...]
+    mesh: Any
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        leaves, tree = jax.tree.flatten(self.args)
+        return self.name, str(tree), tuple(str(leaf) for leaf in leaves), self.kernels
+
+
+class Recorder:
+    """What :func:`recording` collects: the outermost named choices (one per distinct :attr:`Choice.key`) and
+    every Pallas kernel called through :func:`pallas_call`, in order."""
+
+    def __init__(self) -> None:
+        self.choices: dict[tuple[Any, ...], Choice] = {}
+        self.kernels: list[str] = []
+        self.depth = 0
+
+    def note(self, choice: Choice) -> None:
+        self.choices.setdefault(choice.key, choice)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recorder]:
+    """A context manager giving a :class:`Recorder` of the named choices and kernels traced within it (part of the
+    key of JAX's caches, so a step traced before is traced again)."""
+    recorder = Recorder()
+    with _RECORDER(recorder):
+        yield recorder
+
+
+__all__ = ["BREAK_KERNEL", "KERNELS", "Choice", "Recorder", "disable_kernels", "disabled_kernels", "interpreting",
+           "kernel_name", "kernels_setting", "lowering_platform", "pallas_call", "platform_dependent", "platform_of",
+           "platform_vjp", "recording", "settled_device_kind", "settled_platform", "tpu_kernels", "use_kernels"]

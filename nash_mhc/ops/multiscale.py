@@ -51,7 +51,7 @@ def downsample(x: Float[Array, "*batch seq dim"], weights: Float[Array, "block d
         tpu = _downsample_chunked
     else:
         return _downsample_xla(x, weights)
-    return platform_vjp(tpu, _downsample_xla)(x, weights)
+    return platform_vjp(tpu, _downsample_xla, name="downsample")(x, weights)
 
 
 def _downsample_xla(x: jax.Array, weights: jax.Array) -> jax.Array:
@@ -82,7 +82,7 @@ def downsample_heads(v: Float[Array, "*batch seq heads head_dim"], weights: Floa
 
     def xla(v: jax.Array, weights: jax.Array) -> jax.Array:
         return _downsample_xla(v.reshape(*batch, seq, heads * head_dim), weights).reshape(*batch, -1, heads, head_dim)
-    return platform_vjp(downsample_heads_kernel, xla)(v, weights.astype(v.dtype))
+    return platform_vjp(downsample_heads_kernel, xla, name="downsample_heads")(v, weights.astype(v.dtype))
 
 
 def _levels_tile(seq: int, dim: int, blocks: Sequence[int]) -> bool:
@@ -196,7 +196,7 @@ def upsample_shifted(y: Float[Array, "*batch blocks dim"], seq_len: int, block: 
         tpu = functools.partial(_upsample_chunked, block=block)
     else:
         return xla(y), available
-    return platform_dependent(y, tpu=tpu, default=xla), available
+    return platform_dependent(y, tpu=tpu, default=xla, name="upsample"), available
 
 
 def _upsample_chunked(y: jax.Array, block: int) -> jax.Array:

@@ -53,7 +53,7 @@ def rope(x: Float[Array, "*batch seq heads head_dim"], *, spacing: int = 1, thet
         if kernel:  # a whole sequence: the Pallas kernel; decoding's given positions: the one-hot form
             return rotate_kernel(x, full_cos[:, 0], signed_sin[:, 0])
         return rotate_tpu(x, full_cos, signed_sin)
-    return platform_dependent(x, tpu=tpu, default=halves)
+    return platform_dependent(x, tpu=tpu, default=halves, name="rope")
 
 
 @functools.lru_cache(maxsize=64)

@@ -39,7 +39,7 @@ def sinkhorn(logits: Float[Array, "*batch n n"], num_iters: int = 20) -> Float[A
         return xla(logits)
     names = ("tokens", "streams", "streams")
     kernel = per_shard(functools.partial(_sinkhorn_shard, num_iters=num_iters), (names,), names)
-    return platform_dependent(logits, tpu=kernel, default=xla)
+    return platform_dependent(logits, tpu=kernel, default=xla, name="sinkhorn")
 
 
 def _sinkhorn_shard(logits: jax.Array, num_iters: int) -> jax.Array:

@@ -137,7 +137,8 @@ def copies(h: jax.Array, n: int, dtype, *, interpret: bool = False) -> jax.Array
                     ("streams", *NAMES))
     if interpret:
         return tpu(h)
-    return platform_dependent(h, tpu=tpu, default=functools.partial(_broadcast, n=n, dtype=dtype))
+    return platform_dependent(h, tpu=tpu, default=functools.partial(_broadcast, n=n, dtype=dtype),
+                              name="stream_copies")
 
 
 def summed(x: jax.Array, dtype, *, interpret: bool = False) -> jax.Array:
@@ -146,7 +147,7 @@ def summed(x: jax.Array, dtype, *, interpret: bool = False) -> jax.Array:
     tpu = per_shard(functools.partial(_sum_shard, dtype=dtype, interpret=interpret), (("streams", *NAMES),), NAMES)
     if interpret:
         return tpu(x)
-    return platform_dependent(x, tpu=tpu, default=lambda x: slab_sum(x).astype(dtype))
+    return platform_dependent(x, tpu=tpu, default=lambda x: slab_sum(x).astype(dtype), name="stream_sum")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
