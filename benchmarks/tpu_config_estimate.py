@@ -1,5 +1,6 @@
 """The TPU compiler's estimate for one training-program configuration at the preset's own vocabulary, as
-docs/tpu.md's estimate table compiles it, with any flags (memory settings, batch, mesh) instead of the table's.
+the estimate table of docs/results/tpu_estimate/README.md compiles it, with any flags (memory settings, batch,
+mesh) instead of the table's.
 
     python benchmarks/tpu_config_estimate.py v6e-8 -- --model 1b --residual plain --attention full \\
         --batch-size 32 --mesh-fsdp 8 --remat none --loss-chunks 4 [--hlo OUT.hlo.gz]

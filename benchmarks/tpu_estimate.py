@@ -1,11 +1,11 @@
-"""docs/tpu.md's estimate table: the TPU compiler's estimated step time, tokens/s per chip, MFU and HBM bytes per
-step of presets x model variants on TPU slices, from libtpu on this CPU host (no TPU; every figure is the
-compiler's cost model, never a measurement).
+"""The estimate table of docs/results/tpu_estimate/README.md: the TPU compiler's estimated step time, tokens/s
+per chip, MFU and HBM bytes per step of presets x model variants on TPU slices, from libtpu on this CPU host (no
+TPU; every figure is the compiler's cost model, never a measurement).
 
     python benchmarks/tpu_estimate.py [--presets base 1b 3b] [--slices v5e-8 v6e-8 v4-32] \\
         [--variants plain+full mhc+full mhc+multiscale+nash] [--results docs/results/tpu_estimate.jsonl] \\
-        [--doc docs/tpu.md] [--label before] [--earlier-labels LABEL ...] [--hlo-dir DIR] [--remat-group N] \\
-        [--table-only]
+        [--doc docs/results/tpu_estimate/README.md] [--label before] [--earlier-labels LABEL ...] \\
+        [--hlo-dir DIR] [--remat-group N] [--table-only]
 
 Each (preset, slice) runs at the fit table's batch (the largest per-chip batch that fits, from
 docs/results/tpu_fit.jsonl: remat full in groups of 4 layers, 8 loss chunks, fsdp over every chip, data 1, tp 1)
@@ -35,6 +35,7 @@ from host import cpu_model, table_host
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- tpu-estimate start -->", "<!-- tpu-estimate end -->"
+DOC = ROOT / "docs" / "results" / "tpu_estimate" / "README.md"  # the study's record; docs/tpu.md links it
 GIB = 2**30
 PRESETS = ["base", "1b", "3b"]
 SLICES = ["v5e-8", "v6e-8", "v4-32"]
@@ -205,7 +206,8 @@ def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, comp
             "share of the estimate that is Pallas kernels (flash attention; RoPE; mHC's stream update, collapse and "
             "Sinkhorn; the Nash aggregation's passes over the scale outputs and its game's Newton loop; multiscale "
             "down- and upsampling) "
-            "costed at their declared roofline, a lower bound on their time (docs/tpu.md, How it is computed).", "",
+            "costed at their declared roofline, a lower bound on their time (docs/results/tpu_estimate/README.md, "
+            "How it is computed; docs/tpu.md, Reading an estimate).", "",
             *(rows + [""] if len(rows) > 2 else [])]
     if missing:
         body += [f"No estimate yet: {', '.join(missing)}.", ""]
@@ -222,7 +224,7 @@ def main() -> None:
     parser.add_argument("--results", default=str(ROOT / "docs" / "results" / "tpu_estimate.jsonl"))
     parser.add_argument("--fit-results", default=str(ROOT / "docs" / "results" / "tpu_fit.jsonl"),
                         help="the fit table's results: where the batches come from")
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "tpu.md"))
+    parser.add_argument("--doc", default=str(DOC))
     parser.add_argument("--label", default="before", help="names this run's rows (a rerun after a model change "
                         "takes another label)")
     parser.add_argument("--earlier-labels", nargs="*", default=[], help="the table takes the rows this run has "

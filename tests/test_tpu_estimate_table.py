@@ -77,3 +77,17 @@ def test_a_table_only_rewrite_keeps_the_machine_the_table_names(tmp_path, script
     text = doc.read_text()
     assert f"\non {compiling_host()} (no TPU: " in text and "Elsewhere CPU" not in text
     assert text.startswith("intro\n") and text.endswith(f"{module.END}\nrest\n")
+
+
+@pytest.mark.parametrize(("script", "doc"), [("tpu_estimate", "docs/results/tpu_estimate/README.md"),
+                                             ("fit_table", "docs/tpu.md")])
+def test_each_table_is_written_into_its_page(script, doc):
+    """docs/ teaches, docs/results/ records: the estimate table lives in the estimate study's record, the fit table
+    (a result users need) in the TPU guide; each script's default --doc has the markers it writes between."""
+    module = importlib.import_module(script)
+    root = Path(__file__).resolve().parent.parent
+    assert root / doc == module.DOC
+    text = module.DOC.read_text()
+    assert text.count(module.START) == 1 and text.count(module.END) == 1
+    assert text.index(module.START) < text.index(module.END)
+    assert "tpu-estimate start" not in (root / "docs" / "tpu.md").read_text()
