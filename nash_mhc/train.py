@@ -186,7 +186,9 @@ def _run(run_configs: Configs, cache: CompileCache, options: CompileOnly, wandb_
         hardware.initialize_distributed()
         wandb_log.check_available(wandb_config, run_configs.run.checkpoint_dir)  # package, run id, key
         cache.use()  # a local directory or a bucket (gs://...)
-        # auto checks the step's kernels before it trusts them (TPU): a failing one runs its XLA form
+        # auto checks the step's kernels before it trusts them (TPU): a failing one runs its XLA form. The devices
+        # first: a platform JAX cannot start is a one-line error (HardwareError), not the check's traceback
+        hardware.init_devices()
         disabled = trust.trusted_kernels(dispatch.kernels_setting(), run_configs.model, run_configs.train,
                                          cache.compile_cache_dir)
         run_session = session.prepare(run_configs)
