@@ -78,31 +78,27 @@ def test_a_resume_in_a_bucket_keeps_profile_and_sets_later_steps_and_metrics_asi
     assert steps(gcs, "runs/a/") == [1, 2, 3] and logged(gcs, "runs/a/") == [1, 2, 3]  # step 3 trained again
 
 
-def flip(gcs, name: str, spots: int = 8, count: int = 64) -> None:
-    data = bytearray(gcs.fs.cat_file(f"bucket/{name}"))
-    for spot in range(spots):
-        at = len(data) * (2 * spot + 1) // (2 * spots)
-        data[at:at + count] = bytes(b ^ 0xFF for b in data[at:at + count])
-    gcs.fs.pipe(f"bucket/{name}", bytes(data))
-
-
-def largest_array_file(gcs, prefix: str) -> str:
+def replace_arrays(gcs, step: str, source: str) -> None:
+    """``step``'s array objects replaced by ``source``'s (other values that decode, as flipped bytes of a weight file
+    do), its checksum record kept."""
     gcs.fs.invalidate_cache()
-    files = [f for f in gcs.fs.find(f"bucket/{prefix}/state") if "/d/" in f]
-    return max(files, key=gcs.fs.size)[len("bucket/"):]
+    gcs.fs.rm(f"bucket/{step}/state", recursive=True)
+    gcs.fs.copy(f"bucket/{source}/state", f"bucket/{step}/state", recursive=True)
+    gcs.fs.invalidate_cache()
 
 
 def test_corrupt_checkpoints_in_a_bucket_fall_back_then_fail_in_one_line(gcs, cache_dir, capsys):
     run = "gs://bucket/runs/corrupt"
     assert train(cache_dir, "--total-steps", "2", "--checkpoint-dir", run) == 0
-    flip(gcs, largest_array_file(gcs, "runs/corrupt/2"))  # decodes into other values: only the crc32c sees it
+    replace_arrays(gcs, "runs/corrupt/2", "runs/corrupt/1")  # other values that decode: only the crc32c sees it
     capsys.readouterr()
     assert train(cache_dir, "--total-steps", "2", "--checkpoint-dir", run) == 0
     log = "".join(capsys.readouterr())
     assert "skipped checkpoint step 2" in log and "is corrupt: crc32c of .model." in log
     assert "resuming from step 1" in log
-    for step in (1, 2):  # both steps now: nothing restores, one line, no asyncio report after it
-        flip(gcs, largest_array_file(gcs, f"runs/corrupt/{step}"))
+    gcs.fs.copy("bucket/runs/corrupt/1/state", "bucket/runs/step1-arrays/state", recursive=True)
+    replace_arrays(gcs, "runs/corrupt/1", "runs/corrupt/2")  # both steps swap arrays (step 2 was trained again):
+    replace_arrays(gcs, "runs/corrupt/2", "runs/step1-arrays")  # nothing restores, one line, no asyncio report
     assert train(cache_dir, "--total-steps", "2", "--checkpoint-dir", run) == 2
     err = capsys.readouterr().err
     assert [line for line in err.splitlines() if line.strip()] == [err.strip()], err[-3000:]

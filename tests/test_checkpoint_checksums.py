@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -39,6 +40,12 @@ def flip_bytes(step_dir: Path, count: int = 64, *, spots: int = 1) -> None:
         at = len(data) * (2 * spot + 1) // (2 * spots)
         data[at:at + count] = bytes(b ^ 0xFF for b in data[at:at + count])
     largest.write_bytes(bytes(data))
+
+
+def replace_arrays(step_dir: Path, source_dir: Path) -> None:
+    """``step_dir``'s array files replaced by ``source_dir``'s, its checksum record kept."""
+    shutil.rmtree(step_dir / "state")
+    shutil.copytree(source_dir / "state", step_dir / "state")
 
 
 def sharded_state() -> dict:
@@ -90,13 +97,15 @@ def test_a_checkpoint_saved_without_checksums_still_restores(tmp_path):
 
 @pytest.fixture(scope="module")
 def corrupt_run(tmp_path_factory, cache_dir) -> Path:
-    """A tiny run with steps 1 and 2 whose step 2 has 8 x 64 flipped bytes in its largest array file."""
+    """A tiny run with steps 1 and 2 whose step 2's array files hold step 1's bytes: other values that decode, as
+    flipped bytes of a weight file do (where flipped bytes hit a compressed block's framing instead, TensorStore's
+    read fails: a one-line "cannot restore" already, and not what this guards)."""
     from nash_mhc.train import main
 
     run = tmp_path_factory.mktemp("corrupt") / "run"
     assert main([*TRAIN, "--compile-cache-dir", str(cache_dir), "--total-steps", "2", "--checkpoint-dir",
                  str(run)]) == 0
-    flip_bytes(run / "2", spots=8)
+    replace_arrays(run / "2", run / "1")
     return run
 
 
@@ -167,8 +176,11 @@ WORKER = textwrap.dedent("""
     sharding = NamedSharding(mesh, P("data"))
     w = jax.make_array_from_callback(full.shape, sharding, lambda i: full[i])
     state = {"w": w}
-    if mode == "save":
-        c = Checkpointer(run); c.save(1, state, {"step": 1}); c.wait(); c.close()
+    if mode == "save":  # step 2: the rows of process 1 (the second half) changed
+        other = full.copy(); other[128:] += 1
+        c = Checkpointer(run); c.save(1, state, {"step": 1})
+        c.save(2, {"w": jax.make_array_from_callback(full.shape, sharding, lambda i: other[i])}, {"step": 2})
+        c.wait(); c.close()
         print("saved")
     else:
         c = Checkpointer(run, read_only=True)
@@ -202,7 +214,7 @@ def test_two_hosts_each_record_their_own_shards_and_refuse_corruption_together(t
         assert sorted(record["['w']"]) == sorted([[[r, r + 64], [0, 64]], google_crc32c.value(full[r:r + 64].tobytes())]
                                                  for r in (128 * index, 128 * index + 64))
     assert two_processes("restore", run) == ["restored", "restored"]
-    flip_bytes(run / "1")  # one host's file: that host finds the slice, the other is told
+    replace_arrays(run / "1", run / "2")  # other values in process 1's rows: that host finds them, the other is told
     results = two_processes("restore", run)
     assert all(line.startswith("refused:") and "is corrupt: crc32c of " in line for line in results), results
     assert sum("slices on other hosts" in line for line in results) == 1, results
