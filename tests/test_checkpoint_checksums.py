@@ -30,15 +30,13 @@ TRAIN = ["--model", "tiny", "--batch-size", "8", "--dataset", "synthetic", "--no
          "--checkpoint-interval", "1", "--lr-schedule-steps", "40", "--warmup-steps", "4", "--learning-rate", "3e-3"]
 
 
-def flip_bytes(step_dir: Path, count: int = 64, *, spots: int = 1) -> None:
-    """Invert ``count`` bytes at ``spots`` evenly spread places (the middle for one) of the step's largest array
-    file (Orbax packs many arrays into one file, in its own order: an inference program reads only the model's)."""
+def flip_bytes(step_dir: Path, count: int = 64) -> None:
+    """Invert ``count`` bytes in the middle of the step's largest array file."""
     files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and "/d/" in p.as_posix()]
     largest = max(files, key=lambda p: p.stat().st_size)
     data = bytearray(largest.read_bytes())
-    for spot in range(spots):
-        at = len(data) * (2 * spot + 1) // (2 * spots)
-        data[at:at + count] = bytes(b ^ 0xFF for b in data[at:at + count])
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
     largest.write_bytes(bytes(data))
 
 
