@@ -202,6 +202,10 @@ def test_ablation3_runs_a_tiny_study_with_all_three_budgets(tmp_path, cache_dir,
         directory = Run("plain+convex@uniform", 1e-2, 0).directory(out)
         evaluated = json.loads((directory / "evals" / f"report-step{want}.json").read_text())
         assert point["bits_per_byte"] == evaluated["bits_per_byte"] and evaluated["step"] == want
+    for variant in runs:  # the result holds everything: the checkpoints are gone
+        train = Run(variant, 1e-2, 0).directory(out) / "train"
+        assert (train / "metrics.jsonl").exists() and not [p for p in train.iterdir() if p.name.isdigit()]
+    assert runs["plain+full"]["wallclock"]["checkpoint_step"] == 6  # the baseline is read at S
     end = runs["plain+convex@uniform"]["scale_use_end"]
     assert protocol.coarse_weight(end["report"]) > 0.3 and "scale_tv" in end["train"]  # started uniform
     assert runs["plain+full"]["scale_use_end"]["report"] == {}

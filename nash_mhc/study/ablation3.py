@@ -27,11 +27,15 @@ The protocol is fixed here, before any run (the rules are :mod:`nash_mhc.study.a
   else ``flops_per_token()`` (results.json names which); a costlier variant is also evaluated at s_v =
   floor(S F_base / F_v), mid-schedule (two training sessions, as in v2).
 - **Equal wall-clock**: every run's median seconds per training step t (over the logged windows; compiles,
-  start-ups and evaluations excluded) is measured on its machine. Per seed, the baseline at its chosen rate
-  trains S steps in S t_base; a variant at its chosen rate has spent that time at w = floor(S t_base / t_v)
-  (at most S). It is evaluated on the report split at its last kept checkpoint at or before w (checkpoints are
-  kept every ``--checkpoint-interval`` steps, so the point is read up to one interval early, which favours the
-  baseline); results.json has w, the checkpoint step and both step times.
+  start-ups and evaluations excluded) is measured on its machine. Per seed, the baseline trains S steps in
+  S t_base, where t_base is the median of the baseline's step times over its finished runs of that seed (the
+  step time does not depend on the rate; the baseline runs first in every seed's pass). A run has spent that
+  time at w = floor(S t_base / t_v) (at most S): it is evaluated on the report split at its last checkpoint at or
+  before w (checkpoints are kept every ``--checkpoint-interval`` steps, so the point is read up to one interval
+  early, which favours the baseline) as soon as it finishes, so its ``result.json`` holds everything the report
+  needs. Its checkpoints are then deleted (``--keep-checkpoints`` keeps them): a study spread over several
+  machines' sessions carries on from the ``result.json`` files alone. The report reads the point of each
+  variant's chosen rate; results.json has w, the checkpoint step and both step times.
 - **Curves**: every logged step's training loss and the scale metrics (``scale_weight/<l>``, ``scale_prior/<l>``,
   ``scale_tv`` and per layer) of the last logged step and of the report evaluation at S, for every run.
 
@@ -48,6 +52,7 @@ import argparse
 import dataclasses
 import math
 import shlex
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -103,6 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-interval", type=int, default=10, help="steps between logged losses (the curves)")
     p.add_argument("--checkpoint-interval", type=int, default=25, help="steps between kept checkpoints (all are "
                    "kept: the equal-wall-clock point is read at one, up to this many steps early)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep a finished run's checkpoints (default: "
+                   "deleted once its result.json, equal-wall-clock evaluation included, is written)")
     add_compile_cache_argument(p)
     report.add_common_arguments(p)
 
@@ -192,9 +199,44 @@ def evaluation(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
     return dict(batch_size=settings.eval_batch_size, compile_cache_dir=args.compile_cache_dir)
 
 
+def baseline_step_time(results: dict[Run, dict[str, Any]], baseline: str, seed: int) -> float | None:
+    """t_base of a seed: the median step time of the baseline's finished runs of that seed (None before any)."""
+    times = sorted(r["step_time_s"] for k, r in results.items()
+                   if k.variant == baseline and k.seed == seed and r["status"] == "finished" and r["step_time_s"])
+    if not times:
+        return None
+    middle = len(times) // 2
+    return times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
+
+
+def wallclock_point(child: ChildRun, settings: Settings, args: argparse.Namespace, bits_per_byte: float | None,
+                    step_time: float | None, base_time: float | None) -> dict[str, Any] | None:
+    """A finished run's equal-wall-clock point against ``base_time`` (evaluated at the checkpoint at or before w;
+    the report-split value at S when that checkpoint is S); None without both step times."""
+    if not step_time or not base_time:
+        return None
+    S = settings.steps
+    w = protocol.wallclock_step(S, base_time, step_time)
+    point = protocol.checkpoint_at_or_before(checkpoint_steps(child), w)
+    value = bits_per_byte if point == S else None
+    if point is not None and point != S:
+        value = child.evaluate(f"report-step{point}", point, first_batch=settings.selection_batches,
+                               num_batches=settings.report_batches, **evaluation(settings, args))["bits_per_byte"]
+    return {"wallclock_step": w, "checkpoint_step": point, "bits_per_byte": value, "step_time_s": step_time,
+            "baseline_step_time_s": base_time, "baseline_train_s": S * base_time}
+
+
+def drop_checkpoints(child: ChildRun) -> None:
+    """Delete a finished run's checkpoint folders (its metrics.jsonl and config.json stay)."""
+    for step in checkpoint_steps(child):
+        shutil.rmtree(child.checkpoint_dir / str(step))
+
+
 def execute(runner: ChildRunner, settings: Settings, run: Run, flops_step: int, out: Path,
-            args: argparse.Namespace) -> dict[str, Any]:
-    """Bring one run to its ``result.json`` (read back when it exists); Stopped after a signal, Failed otherwise."""
+            args: argparse.Namespace, base_time: float | None) -> dict[str, Any]:
+    """Bring one run to its ``result.json`` (read back when it exists), its equal-wall-clock point against
+    ``base_time`` (the baseline's step time for this seed; the baseline itself passes None and is read at S)
+    included; Stopped after a signal, Failed otherwise."""
     directory = run.directory(out)
     if (directory / "result.json").exists():
         return read_json(directory / "result.json")
@@ -221,6 +263,12 @@ def execute(runner: ChildRunner, settings: Settings, run: Run, flops_step: int, 
     def bpb(name: str) -> float | None:
         return evals[name]["bits_per_byte"] if name in evals else None
 
+    step_time = median_step_time(records)
+    point = None
+    if status == "finished":
+        point = wallclock_point(child, settings, args, bpb("report"), step_time,
+                                step_time if base_time is None else base_time)
+
     result = {
         **dataclasses.asdict(run), **spec3(run.variant), "status": status,
         "bits_per_byte": bpb("report"), "selection_bits_per_byte": bpb("selection"),
@@ -228,42 +276,28 @@ def execute(runner: ChildRunner, settings: Settings, run: Run, flops_step: int, 
         "equal_flops_bits_per_byte": bpb("report" if flops_step == S else "report_flops"),
         "evaluations": evals, "travel": travel(records), "last_step": child.last_step(),
         "tokens_per_step": tokens_per_step, "tokens_trained": S * tokens_per_step,
-        "step_time_s": median_step_time(records), "wall_s": child.wall_s(), "sessions": len(child.sessions()),
-        "checkpoint_steps": checkpoint_steps(child),
+        "step_time_s": step_time, "wall_s": child.wall_s(), "sessions": len(child.sessions()),
+        "checkpoint_steps": checkpoint_steps(child), "wallclock": point, "commit": report.code_commit(),
         "curve": [[r["step"], r["loss"]] for r in records],
         "scale_use_end": {"train": scale_metrics(records[-1]) if records else {},
                           "report": scale_metrics(evals.get("report", {}))},
     }
     write_json(directory / "result.json", result)
+    if not args.keep_checkpoints:
+        drop_checkpoints(child)
     return result
 
 
-def wallclock_points(runner: ChildRunner, settings: Settings, grids: dict[str, dict[str, Any]],
-                     results: dict[Run, dict[str, Any]], out: Path, args: argparse.Namespace,
-                     baseline: str) -> dict[str, dict[int, dict[str, Any]]]:
-    """Per variant and seed (at the chosen rates): the equal-wall-clock step w, the checkpoint read and its
-    report-split bits per byte (evaluated here; a written evaluation is read back)."""
+def wallclock_points(grids: dict[str, dict[str, Any]], results: dict[Run, dict[str, Any]],
+                     seeds: list[int]) -> dict[str, dict[int, dict[str, Any]]]:
+    """Per variant and seed: the equal-wall-clock point of the run at the variant's chosen rate (from its
+    ``result.json``; absent where that run has none)."""
     points: dict[str, dict[int, dict[str, Any]]] = {}
     for variant, grid in grids.items():
-        for seed in args.seeds:
-            base = results.get(Run(baseline, grids[baseline]["best"], seed)) if grids[baseline]["best"] else None
+        for seed in seeds:
             mine = results.get(Run(variant, grid["best"], seed)) if grid["best"] else None
-            if not base or not mine or mine["status"] != "finished" or not base["step_time_s"] \
-                    or not mine["step_time_s"]:
-                continue
-            S = settings.steps
-            w = protocol.wallclock_step(S, base["step_time_s"], mine["step_time_s"])
-            point = protocol.checkpoint_at_or_before(mine["checkpoint_steps"], w)
-            value = mine["bits_per_byte"] if point == S else None
-            if point is not None and point != S:
-                child = ChildRun(Run(variant, grid["best"], seed).directory(out), runner, mine["variant"])
-                value = child.evaluate(f"report-step{point}", point, first_batch=settings.selection_batches,
-                                       num_batches=settings.report_batches,
-                                       **evaluation(settings, args))["bits_per_byte"]
-            points.setdefault(variant, {})[seed] = {
-                "wallclock_step": w, "checkpoint_step": point, "bits_per_byte": value,
-                "step_time_s": mine["step_time_s"], "baseline_step_time_s": base["step_time_s"],
-                "baseline_train_s": S * base["step_time_s"]}
+            if mine and mine.get("wallclock"):
+                points.setdefault(variant, {})[seed] = mine["wallclock"]
     return points
 
 
@@ -304,7 +338,10 @@ def main(args: argparse.Namespace) -> int:
                     for run in todo:
                         bar.set_postfix_str(run.name)
                         try:
-                            results[run] = execute(runner, settings, run, costs[run.variant]["step"], out, args)
+                            base = None if run.variant == variants[0] else \
+                                baseline_step_time(results, variants[0], run.seed)
+                            results[run] = execute(runner, settings, run, costs[run.variant]["step"], out, args,
+                                                   base)
                         except Stopped:
                             going = False
                             break
@@ -314,7 +351,7 @@ def main(args: argparse.Namespace) -> int:
                             tqdm.write(f"failed: {error}")
                         bar.update(1)
                 if going and not runner.stopped:
-                    points = wallclock_points(runner, settings, grids(), results, out, args, variants[0])
+                    points = wallclock_points(grids(), results, seeds)
         except Stopped:
             going = False
         finally:

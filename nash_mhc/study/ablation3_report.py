@@ -16,7 +16,7 @@ from nash_mhc.study.variants import label3, spec3
 BUDGETS = {"equal_tokens": "equal tokens", "equal_flops": "equal full FLOPs", "equal_wallclock": "equal wall-clock"}
 
 
-ESTIMATE = (  # written before the first full run, from docs/results/ablation (v2) and this study's smoke runs
+ESTIMATE = (  # written before the first full run, from docs/results/ablation_v2 and this study's smoke runs
     "Estimate for the default study on the shared 2-core VM (CPU, float32, other jobs running), made before "
     "it ran: 11 variants x 3 rates x 3 seeds = 99 runs of S = 700 steps at batch 8, plus 3 runs per added rate "
     "(v2 put 6 of its 16 variants' rates on the grid's top edge at S = 400; assuming 3 variants grow by one "
@@ -27,8 +27,8 @@ ESTIMATE = (  # written before the first full run, from docs/results/ablation (v
     "plus about 16 min for the added rates. Overheads from the smoke run: a compile per variant and rate (15-35 "
     "s, about 36 of them: 18 min) and, per run, two training-session start-ups and 3-4 evaluations of 4-13 s "
     "each (about 40 s: 70 min). In all about 4 h 40 min at that load (about 3 h 15 min at v2's step times); "
-    "with --steps 400 (v2's published length) about 3 h 20 min (2 h 20 min). Disk: every checkpoint is kept, "
-    "about 2.2 MB each at tiny, 29-30 per run at the default interval: about 7 GB.")
+    "with --steps 400 (v2's published length) about 3 h 20 min (2 h 20 min). Disk: a run keeps its checkpoints "
+    "(about 2.2 MB each at tiny, 29-30 at the default interval) only until its result.json is written.")
 
 
 def _get(results: dict[Any, dict[str, Any]], variant: str, lr: float | None, seed: int) -> dict[str, Any] | None:
