@@ -370,6 +370,7 @@ def test_stability_runs_every_mode_end_to_end_and_skips_finished_runs(tmp_path, 
                                                                                           "mhc-lite")}
     for run in runs.values():
         assert run["status"] == "finished" and len(run["loss"]) == len(run["grad_norm"]) == 6
+        assert run["eval_tokens"] == 16 * 8 * 64 and 0 < run["eval_loss"] < 8  # 16 held-out batches, seq 64
         assert sorted(map(int, run["probes"])) == [0, 3, 6]
         assert all(len(gains) == 2 * 3 for probe in run["probes"].values() for gains in probe.values())
     for probe in runs["plain"]["probes"].values():  # one stream: H_res = 1 at every sublayer

@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the figures go; rerunning with the same directory skips finished runs")
     p.add_argument("--model", default="tiny", help="preset the runs start from (width, heads, context)")
     p.add_argument("--d-model", type=int, help="model width (default: the preset's)")
+    p.add_argument("--seq-len", type=int, help="sequence length (default: the preset's)")
     p.add_argument("--depths", type=int, nargs="+", default=[8, 24], help="numbers of layers to sweep")
     p.add_argument("--learning-rates", type=float, nargs="+", default=[4e-4, 9e-4, 1e-2, 3e-2],
                    help="peak learning rates to sweep (4e-4 and 9e-4: the ends of the mHC paper's range, arXiv "
@@ -68,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probes", type=int, default=5, help="evenly spaced steps (first and last included) at which "
                    "the gains over depth are measured")
     p.add_argument("--probe-batch", type=int, default=4, help="held-out sequences the gains are measured on")
+    p.add_argument("--eval-batches", type=int, default=16, help="held-out batches of --batch-size sequences "
+                   "each finished run is evaluated on at its last step (the same windows for every run; 0: none)")
     p.add_argument("--max-nonfinite-steps", type=int, default=10,
                    help="a run stops as diverged after this many non-finite steps in a row")
     add_compile_cache_argument(p)
@@ -78,6 +81,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     for name in ("steps", "batch_size", "probe_batch", "max_nonfinite_steps"):
         if getattr(args, name) < 1:
             raise StudyError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.eval_batches < 0 or (args.seq_len is not None and args.seq_len < 8):
+        raise StudyError(f"--eval-batches must be >= 0 and --seq-len >= 8, got {args.eval_batches} and "
+                         f"{args.seq_len}")
     if args.probes < 2:
         raise StudyError(f"--probes must be >= 2 (the first and the last step), got {args.probes}")
     if not 0 <= args.warmup_steps <= args.steps:
@@ -88,14 +94,16 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         if len(set(getattr(args, name))) != len(getattr(args, name)):
             raise StudyError(f"--{name.replace('_', '-')} has a repeated value: {getattr(args, name)}")
     try:  # the preset, width and heads must make a valid model
-        ModelConfig.preset(args.model, **({"d_model": args.d_model} if args.d_model else {}))
+        ModelConfig.preset(args.model, **({"d_model": args.d_model} if args.d_model else {}),
+                           **({"seq_len": args.seq_len} if args.seq_len else {}))
     except ValueError as error:
         raise StudyError(str(error)) from None
     return Settings(model=args.model, d_model=args.d_model, attention=args.attention, steps=args.steps,
                     batch_size=args.batch_size, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
                     grad_clip=args.grad_clip, coefficient_lr_scale=args.coefficient_lr_scale, dataset=args.dataset,
                     probes=args.probes, probe_batch=args.probe_batch,
-                    max_nonfinite_steps=args.max_nonfinite_steps)
+                    max_nonfinite_steps=args.max_nonfinite_steps, seq_len=args.seq_len,
+                    eval_batches=args.eval_batches)
 
 
 def main(args: argparse.Namespace) -> int:

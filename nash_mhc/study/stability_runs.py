@@ -34,6 +34,8 @@ class Settings:
     probes: int
     probe_batch: int
     max_nonfinite_steps: int
+    seq_len: int | None = None  # None: the preset's (older studies' study.json has no such key)
+    eval_batches: int = 0  # held-out batches of batch_size read at the end (0: none)
 
     def probe_steps(self) -> list[int]:
         return sorted({round(i * self.steps / (self.probes - 1)) for i in range(self.probes)})
@@ -55,9 +57,10 @@ class Run:
 
 
 def model_config(settings: Settings, run: Run, vocab_size: int) -> ModelConfig:
-    width = {"d_model": settings.d_model} if settings.d_model else {}
+    size = {"d_model": settings.d_model} if settings.d_model else {}
+    size |= {"seq_len": settings.seq_len} if settings.seq_len else {}
     return ModelConfig.preset(settings.model, residual=run.residual, num_layers=run.depth, vocab_size=vocab_size,
-                              **ATTENTIONS[settings.attention], **width)
+                              **ATTENTIONS[settings.attention], **size)
 
 
 def train_run(settings: Settings, run: Run, runner: ChildRunner) -> dict[str, Any] | None:
@@ -68,10 +71,13 @@ def train_run(settings: Settings, run: Run, runner: ChildRunner) -> dict[str, An
     from nash_mhc import TrainConfig, make_mesh
     from nash_mhc.data import make_datasets
     from nash_mhc.training import Batch, init_train_state, train_step
+    from nash_mhc.training.evaluation import evaluate
 
-    config = ModelConfig.preset(settings.model)
-    train_data, _, tokenizer = make_datasets(settings.dataset, "bytes", config.seq_len, seed=run.seed)
-    _, probe_data, _ = make_datasets(settings.dataset, "bytes", config.seq_len, seed=0)  # one batch for all runs
+    seq_len = settings.seq_len or ModelConfig.preset(settings.model).seq_len
+    train_data, _, tokenizer = make_datasets(settings.dataset, "bytes", seq_len, seed=run.seed)
+    # held-out windows, the same for every run: the probe batch (batch 0 of probe_batch sequences), and the
+    # final evaluation's batches 1.. of batch_size sequences (disjoint from the probe's)
+    _, probe_data, _ = make_datasets(settings.dataset, "bytes", seq_len, seed=0)
     probe_tokens = jnp.asarray(probe_data.batch_at(0, global_batch=settings.probe_batch)[:, :-1])
     config = model_config(settings, run, tokenizer.vocab_size)
     train_config = TrainConfig(batch_size=settings.batch_size, learning_rate=run.learning_rate,
@@ -110,7 +116,13 @@ def train_run(settings: Settings, run: Run, runner: ChildRunner) -> dict[str, An
         if bad:
             nonfinite.append(step + 1)
     diverged = in_a_row >= settings.max_nonfinite_steps
-    return {**dataclasses.asdict(run), "status": "diverged" if diverged else "finished",
+    held_out = {}
+    if settings.eval_batches and not diverged:
+        result = evaluate(state.model, probe_data, tokenizer, batch_size=settings.batch_size,
+                          num_batches=settings.eval_batches, first_batch=1, mesh=mesh)
+        held_out = {"eval_loss": result.loss, "eval_bits_per_byte": result.bits_per_byte,
+                    "eval_tokens": result.tokens}
+    return {**dataclasses.asdict(run), "status": "diverged" if diverged else "finished", **held_out,
             "steps_done": len(losses), "loss": losses, "grad_norm": grad_norms, "nonfinite_steps": nonfinite,
             "probes": {str(k): v for k, v in sorted(probes.items())}, "params": num_params(config),
             "step_time_s": float(np.median(step_times[1:] or step_times)),
