@@ -11,6 +11,7 @@ Importing the package changes no JAX setting and starts no backend. The programs
 from nash_mhc import decoding, ops, training
 from nash_mhc.config import ModelConfig
 from nash_mhc.decoding import generate_tokens
+from nash_mhc.execution import ExecutionConfig
 from nash_mhc.model import Block, LanguageModel, ModelOutput
 from nash_mhc.ops.dispatch import use_kernels
 from nash_mhc.platforms import select_platform
@@ -27,8 +28,8 @@ def load_exported(directory: str, *, device: object = None) -> LanguageModel:
     return load(directory, device=device)
 
 
-__all__ = ["Block", "LanguageModel", "MeshError", "ModelConfig", "ModelOutput", "TrainConfig", "make_mesh", "ops",
-           "training", "__version__"]
+__all__ = ["Block", "ExecutionConfig", "LanguageModel", "MeshError", "ModelConfig", "ModelOutput", "TrainConfig",
+           "make_mesh", "ops", "training", "__version__"]
 __all__ += ["decoding", "generate_tokens", "load_exported", "select_platform", "use_kernels"]
 
 

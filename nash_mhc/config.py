@@ -19,7 +19,6 @@ MHC_LITE_MAX_STREAMS = 6  # mhc-lite has one logit per permutation matrix: n! of
 ATTENTION_MODES = ("multiscale", "full")
 AGGREGATION_MODES = ("nash", "gate", "convex")
 DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("none", "full", "dots")
 VOCAB_MULTIPLE = 128
 SCALE_PRIORS = ("scale0", "uniform")  # or a number in (0, 1): the weight of scale 0
 SCALE0_PRIOR_WEIGHT = 0.99  # scale_prior "scale0": softmax(b)_0 at initialisation where every scale is available
@@ -59,13 +58,18 @@ class ConfigMethods:
     def replace(self: ConfigT, **changes: Any) -> ConfigT:
         return dataclasses.replace(self, **changes)
 
+    # fields an earlier version had and this one moved elsewhere (nash_mhc.execution): dropped when read back
+    RETIRED: ClassVar[tuple[str, ...]] = ()
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls: type[ConfigT], data: dict[str, Any]) -> ConfigT:
-        """Build from a dict (e.g. a checkpoint's JSON). Missing keys take their defaults; a key that is not a field
-        (a checkpoint from another version, a typo) raises ValueError naming it."""
+        """Build from a dict (e.g. a checkpoint's JSON). Missing keys take their defaults; a retired field
+        (:attr:`RETIRED`) is dropped; any other key that is not a field (a checkpoint from another version, a typo)
+        raises ValueError naming it."""
+        data = {k: v for k, v in data.items() if k not in cls.RETIRED}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -114,14 +118,8 @@ class ModelConfig(ConfigMethods):
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     hc_identity_logit: float = 4.0
-    remat: str = setting("none", "rematerialisation policy of the layer scan", choices=REMAT_POLICIES)
-    remat_group: int = setting(1, "with --remat: layers per rematerialised group; the layer scan keeps only each "
-                                  "group's input for the backward pass (must divide num_layers)")
-    scan_unroll: int = setting(1, "layers per iteration of the layer scan (lax.scan's unroll; with --remat-group, "
-                                  "the layers within a group, then whole groups): fewer loop iterations and no "
-                                  "stacking of the saved activations between the unrolled layers; >= num_layers "
-                                  "runs them unrolled. Faster steps (CPU at a few layers, GPU at base, TPU at 1b "
-                                  "and 3b); compile time grows with it")
+    # how the layer scan runs is not the architecture: format-3 checkpoints carry these, nash_mhc.execution has them
+    RETIRED: ClassVar[tuple[str, ...]] = ("remat", "remat_group", "scan_unroll")
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         # Compiles in seconds on a laptop CPU; used by the test-suite.
@@ -129,16 +127,16 @@ class ModelConfig(ConfigMethods):
                      num_scales=3, compression_ratio=2),
         # `--use-small-model`: trains visibly on a 2-core CPU in minutes.
         "small": dict(vocab_size=259, seq_len=256, d_model=256, num_layers=4, num_heads=4, num_streams=4,
-                      num_scales=3, compression_ratio=4, scan_unroll=4),
+                      num_scales=3, compression_ratio=4),
         "base": dict(vocab_size=49152, seq_len=1024, d_model=768, num_layers=12, num_heads=12,
-                     num_streams=4, num_scales=3, compression_ratio=4, scan_unroll=12),
+                     num_streams=4, num_scales=3, compression_ratio=4),
         "medium": dict(vocab_size=49152, seq_len=1024, d_model=1024, num_layers=24, num_heads=16,
                        num_streams=4, num_scales=3, compression_ratio=4),
         "1b": dict(vocab_size=49152, seq_len=2048, d_model=2048, num_layers=16, num_heads=16,
-                   num_streams=4, num_scales=3, compression_ratio=4, dtype="bfloat16", scan_unroll=16),
+                   num_streams=4, num_scales=3, compression_ratio=4, dtype="bfloat16"),
         "3b": dict(vocab_size=49152, seq_len=4096, d_model=2048, num_layers=28, num_heads=16,
                    num_streams=4, num_scales=4, compression_ratio=4, dtype="bfloat16",
-                   tie_embeddings=False, scan_unroll=28),
+                   tie_embeddings=False),
     }
 
     def __post_init__(self) -> None:
@@ -146,22 +144,18 @@ class ModelConfig(ConfigMethods):
             raise ValueError(f"ModelConfig: {msg}")
 
         for name in ("vocab_size", "seq_len", "d_model", "num_layers", "num_heads", "num_streams",
-                     "num_scales", "sinkhorn_iters", "scan_unroll"):
+                     "num_scales", "sinkhorn_iters"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 fail(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.nash_iters, int) or isinstance(self.nash_iters, bool) or self.nash_iters < 1:
             fail(f"nash_iters must be a positive integer, got {self.nash_iters!r}")
-        if not isinstance(self.remat_group, int) or isinstance(self.remat_group, bool) or self.remat_group < 1 \
-                or self.num_layers % self.remat_group:
-            fail(f"remat_group must be a positive divisor of num_layers = {self.num_layers}, got {self.remat_group!r}")
         if self.compression_ratio < 2:
             fail(f"compression_ratio must be >= 2, got {self.compression_ratio}")
         for name, value, allowed in (("residual", self.residual, RESIDUAL_MODES),
                                      ("attention", self.attention, ATTENTION_MODES),
                                      ("aggregation", self.aggregation, AGGREGATION_MODES),
-                                     ("dtype", self.dtype, DTYPES),
-                                     ("remat", self.remat, REMAT_POLICIES)):
+                                     ("dtype", self.dtype, DTYPES)):
             if value not in allowed:
                 fail(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
         if self.d_model % self.num_heads:

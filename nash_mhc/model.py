@@ -15,6 +15,7 @@ from beartype import beartype
 from einops import rearrange
 from jaxtyping import Array, Float, Int, jaxtyped
 
+from nash_mhc import execution
 from nash_mhc.config import ModelConfig
 from nash_mhc.layers.attention import MultiscaleAttention
 from nash_mhc.layers.ffn import SwiGLU
@@ -55,8 +56,7 @@ def grouped_scan(layer: Any, x: Any, params: Any, group: int, unroll: int = 1) -
     ``unroll``: layers per loop iteration, as for a plain scan: the scan within a group unrolls up to ``unroll``
     of its layers, the scan over groups ``unroll // group`` groups; ``unroll >= num_layers`` leaves no loop. An
     unrolled group hands its layer inputs to the backward pass directly instead of stacking them into
-    [group, ...] buffers and slicing them back (the TPU compiler's estimate of the ``1b`` Nash-MHC step:
-    -6.8 %, docs/tpu.md)."""
+    [group, ...] buffers and slicing them back."""
     def regroup(a: jax.Array) -> jax.Array:
         return rearrange(a, "(groups group) ... -> groups group ...", group=group)
 
@@ -233,7 +233,8 @@ class LanguageModel(eqx.Module):
     The streams are created once after the embedding (n copies) and collapsed once before the final
     norm by summing over streams (the final RMSNorm makes the sum's scale irrelevant). Blocks are stacked
     along a leading layer axis and run with one ``lax.scan`` (compile time flat in depth), optionally
-    rematerialised (``config.remat``: none | full | dots).
+    rematerialised and unrolled as the :class:`~nash_mhc.execution.ExecutionConfig` in force says (read while the
+    model is traced).
     """
 
     embedding: Float[Array, "vocab dim"] = param("embedding", "vocab", "embed")
@@ -351,12 +352,15 @@ class LanguageModel(eqx.Module):
             ys = (stats.entropy, stats.weights, jnp.max(stats.nash_residual, axis=1), diag)
             return x, ys + ((stats.res,) if return_residual_maps else ())
 
-        if c.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[c.remat])
-        if c.remat != "none" and c.remat_group > 1:
-            x, ys = grouped_scan(layer, x, params, c.remat_group, c.scan_unroll)
+        scan = execution.current()  # remat, remat_group, scan_unroll: ExecutionConfig.use()
+        if c.num_layers % scan.remat_group:
+            raise ValueError(f"remat_group {scan.remat_group} does not divide num_layers {c.num_layers}")
+        if scan.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[scan.remat])
+        if scan.remat != "none" and scan.remat_group > 1:
+            x, ys = grouped_scan(layer, x, params, scan.remat_group, scan.scan_unroll)
         else:
-            x, ys = jax.lax.scan(layer, x, params, unroll=c.scan_unroll)
+            x, ys = jax.lax.scan(layer, x, params, unroll=scan.scan_unroll)
         if leave:
             x = make_update(*x)
         entropy, weights, residual, diag = ys[:4]  # [layers, B, T], [layers, B, T, L], [layers, B], [layers, B]

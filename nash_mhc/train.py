@@ -20,7 +20,7 @@ abstract devices (needs libtpu, the ``tpu`` extra; no TPU), and prints the memor
 
 Every flag is generated from one field declaration (:mod:`nash_mhc.settings`): the model flags from
 ``ModelConfig`` (default: the preset's value), then ``DataConfig``, ``TrainConfig``, ``MeshConfig``
-(``--mesh-*``), ``RunConfig``, ``CompileCache``, ``ExecutionConfig`` (``--kernels``), ``WandbConfig``,
+(``--mesh-*``), ``RunConfig``, ``CompileCache``, ``ExecutionConfig`` (``--kernels``, ``--remat``, ...), ``WandbConfig``,
 ``ProfileConfig`` and :class:`Program` below. To add a flag, declare a field with ``setting(default, help)`` in
 the config it belongs to.
 """
@@ -38,7 +38,7 @@ from nash_mhc.execution import ExecutionConfig
 from nash_mhc.platforms import select_platform
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 from nash_mhc.sharding import MeshConfig
-from nash_mhc.training.config import MEMORY_DEFAULTS, RunConfig, TrainConfig
+from nash_mhc.training.config import RunConfig, TrainConfig
 from nash_mhc.training.profiling import ProfileConfig
 from nash_mhc.training.wandb_log import WandbConfig
 
@@ -62,6 +62,10 @@ class Program:
 
     def __post_init__(self) -> None:
         check_settings(self)
+
+    @property
+    def preset(self) -> str:
+        return "small" if self.use_small_model else self.model
 
 
 EXIT_DOES_NOT_FIT = 4
@@ -106,13 +110,8 @@ def configs(argv: list[str] | None = None, parser: SettingsParser | None = None)
     parser = parser or build_parser()
     given = parser.given(argv)
     program = parser.build(Program, given)
-    preset = "small" if program.use_small_model else program.model
-    memory = MEMORY_DEFAULTS.get(preset, {})
-    model_values = parser.values(ModelConfig, given)
-    if not {"remat", "remat_group"} & set(model_values):
-        model_values.update({k: memory[k] for k in ("remat", "remat_group") if k in memory})
     try:
-        model = ModelConfig.preset(preset, **model_values)
+        model = ModelConfig.preset(program.preset, **parser.values(ModelConfig, given))
     except ValueError as error:
         raise parser.named(ModelConfig, error) from None
     accumulation = parser.values(TrainConfig, given).get("grad_accum_steps", TrainConfig.grad_accum_steps)
@@ -127,14 +126,18 @@ def configs(argv: list[str] | None = None, parser: SettingsParser | None = None)
                              f"{per_microbatch}; give one of them")
         accumulation = program.total_batch_tokens // per_microbatch
     batch = {"batch_size": program.batch_size * accumulation, "grad_accum_steps": accumulation}
-    loss_chunks = parser.values(TrainConfig, given).get("loss_chunks", memory.get("loss_chunks",
-                                                                                   TrainConfig.loss_chunks))
-    if model.seq_len % loss_chunks:
-        raise ValueError(f"--loss-chunks {loss_chunks} does not divide --seq-len {model.seq_len}")
-    batch["loss_chunks"] = loss_chunks
     return (Configs(model=model, train=parser.build(TrainConfig, given, **batch), data=parser.build(DataConfig, given),
                     mesh=parser.build(MeshConfig, given), run=parser.build(RunConfig, given)),
             parser.build(CompileCache, given))
+
+
+def execution_config(argv: list[str] | None, parser: SettingsParser, model: ModelConfig) -> ExecutionConfig:
+    """The flags' ExecutionConfig, each one not given at the preset's value (nash_mhc.execution.DEFAULTS), checked
+    against ``model``; ValueError names the flag."""
+    given = parser.given(argv)
+    execution = parser.build(ExecutionConfig, given).for_preset(parser.build(Program, given).preset)
+    execution.check(model.num_layers, model.seq_len)
+    return execution
 
 
 def compile_only(run_configs: Configs, options: CompileOnly) -> int:
@@ -164,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         run_configs, cache = configs(argv, parser)
         given = parser.given(argv)
         options, wandb_config = parser.build(CompileOnly, given), parser.build(WandbConfig, given)
-        profile, execution = parser.build(ProfileConfig, given), parser.build(ExecutionConfig, given)
+        profile, execution = parser.build(ProfileConfig, given), execution_config(argv, parser, run_configs.model)
     except ValueError as error:
         return fail(error)
-    with execution.use():  # the steps (train, eval; or the compile) are traced under --kernels
+    with execution.use():  # the steps (train, eval; or the compile) are traced under --kernels, --remat, ...
         return _run(run_configs, cache, options, wandb_config, profile)
 
 

@@ -157,9 +157,11 @@ MUTATIONS = {
                                                               "        with ExecutionConfig().use():")],
                                    ["tests/test_kernels_setting.py"]),
     "--kernels becomes part of the model config": ("nash_mhc/train.py",
-                                                   [("model = ModelConfig.preset(preset, **model_values)",
-                                                     "model = ModelConfig.preset(preset, **model_values)"
-                                                     ".replace(num_layers=1 + ('kernels' not in given))")],
+                                                   [("model = ModelConfig.preset(program.preset, **parser.values("
+                                                     "ModelConfig, given))",
+                                                     "model = ModelConfig.preset(program.preset, **parser.values("
+                                                     "ModelConfig, given)).replace(num_layers=1 + ('kernels' not "
+                                                     "in given))")],
                                                    ["tests/test_kernels_setting.py"]),
     "RoPE kernel backward rotates forward": ("nash_mhc/ops/rope_kernel.py",
                                              [("return _run(g, cos, -sin, rows, interpret)",

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from helpers import equations, perturbed, run_steps, write_checkpoint
 
-from nash_mhc import LanguageModel, ModelConfig, TrainConfig, make_mesh
+from nash_mhc import ExecutionConfig, LanguageModel, ModelConfig, TrainConfig, make_mesh
 from nash_mhc.decoding import decode_step, init_cache
 from nash_mhc.training import Batch, init_train_state
 from nash_mhc.training.checkpoint import Checkpointer
@@ -245,17 +245,18 @@ def test_bfloat16_grouped_remat_resume_is_bit_identical(tmp_path):
     save, a restore onto a fresh state and 2 more steps (losses and parameters). One device: the sharded
     resumes are tested on the CLI (test_train_cli), and grouped remat sharded == one device in test_step."""
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    model = STEP_MODEL.replace(dtype="bfloat16", remat="full", remat_group=2)
+    model = STEP_MODEL.replace(dtype="bfloat16")
     train = TrainConfig(batch_size=8, learning_rate=3e-3, warmup_steps=2, total_steps=STEPS)
     batches = [Batch(tokens=tokens) for tokens in learnable_batches()[:4]]
 
-    straight, straight_losses = run_steps(init_train_state(model, train, mesh, key=jax.random.key(0)), batches)
-    first, first_losses = run_steps(init_train_state(model, train, mesh, key=jax.random.key(0)), batches[:2])
-    write_checkpoint(tmp_path / "run", 2, first, model, train)
-    fresh = init_train_state(model, train, mesh, key=jax.random.key(1))  # other values, same shardings
-    reader = Checkpointer(tmp_path / "run", read_only=True)
-    resumed, resumed_losses = run_steps(reader.restore(2, fresh), batches[2:])
-    reader.close()
+    with ExecutionConfig(remat="full", remat_group=2).use():
+        straight, straight_losses = run_steps(init_train_state(model, train, mesh, key=jax.random.key(0)), batches)
+        first, first_losses = run_steps(init_train_state(model, train, mesh, key=jax.random.key(0)), batches[:2])
+        write_checkpoint(tmp_path / "run", 2, first, model, train)
+        fresh = init_train_state(model, train, mesh, key=jax.random.key(1))  # other values, same shardings
+        reader = Checkpointer(tmp_path / "run", read_only=True)
+        resumed, resumed_losses = run_steps(reader.restore(2, fresh), batches[2:])
+        reader.close()
     assert first_losses + resumed_losses == straight_losses
     for a, b in zip(jax.tree.leaves(eqx.filter(straight, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(resumed, eqx.is_array)), strict=True):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from nash_mhc import LanguageModel, ModelConfig
+from nash_mhc import ExecutionConfig, LanguageModel, ModelConfig
 from nash_mhc.model import num_params, param_counts
 
 
@@ -40,7 +40,6 @@ def expected_counts(c: ModelConfig) -> dict[str, int]:
     (dict(attention="linear"), "unknown attention 'linear'"),
     (dict(aggregation="mean"), "unknown aggregation 'mean'"),
     (dict(dtype="float16"), "unknown dtype 'float16'"),
-    (dict(remat="some"), "unknown remat 'some'"),
     (dict(compression_ratio=1), "compression_ratio must be >= 2"),
     (dict(d_model=60, num_heads=20), "must be even for RoPE"),
 ])
@@ -77,8 +76,9 @@ def test_presets_cover_the_documented_sizes():
     assert 300e6 < medium < 400e6
     params = [num_params(c) for c in sizes.values()]
     assert params == sorted(params)
-    # the accelerator presets run their layers unrolled (measured faster: docs/gpu.md at base, docs/tpu.md at 1b, 3b)
-    assert all(sizes[name].scan_unroll >= sizes[name].num_layers for name in ("base", "1b", "3b"))
+    # the accelerator presets run their layers unrolled by default (docs/gpu.md at base, docs/tpu.md at 1b, 3b)
+    assert all(ExecutionConfig().for_preset(name).scan_unroll >= sizes[name].num_layers
+               for name in ("base", "1b", "3b"))
 
 
 @pytest.mark.parametrize("name", ["tiny", "3b"])
@@ -122,7 +122,7 @@ def test_flops_per_token_agrees_with_xla_cost_analysis(residual, attention):
     out; so XLA's per-layer count must lie in [1, 1.08] × the formula. The head runs over the padded
     vocabulary while model FLOPs count the real one: XLA's head must lie in [1, 1.03] × formula · V_pad / V.
     """
-    config = ModelConfig.preset("small", residual=residual, attention=attention, scan_unroll=1)  # a real scan
+    config = ModelConfig.preset("small", residual=residual, attention=attention)  # scan_unroll 1: a real scan
     tokens = 2 * config.seq_len
     forward, head = forward_and_head_flops(config)
     assert forward == forward_and_head_flops(config.replace(num_layers=1))[0]  # the scan body counted once

@@ -16,7 +16,7 @@ from helpers import ROOT, needs_libtpu
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nash_mhc import ModelConfig, TrainConfig
+from nash_mhc import ExecutionConfig, ModelConfig, TrainConfig
 from nash_mhc.sharding import make_mesh
 from nash_mhc.training import step as step_module
 from nash_mhc.training.estimate import CLOCK_HZ, EstimateError, parse_hlo, step_cost, trip_count
@@ -221,12 +221,12 @@ def test_the_train_steps_loops_match_an_unrolled_compile_of_the_same_step():
     activations into the scan's buffers and slicing the stacked weights, work the unrolled program does not do.
     (This check found grouped remat recomputing each group's last layer for nothing: the unrolled program
     dropped that dead work, the scanned one could not; see model.grouped_scan.)"""
-    model = ModelConfig.preset("tiny", d_model=256, seq_len=256, sinkhorn_iters=3, nash_iters=5, remat="full",
-                               remat_group=2)
-    train = TrainConfig(batch_size=16, grad_accum_steps=2, loss_chunks=2)
-    scanned = step_cost(compile_step(model, train, "v6e-8").as_text(), "TPU v6 lite")
-    with unrolled_scans():
-        flat = step_cost(compile_step(model, train, "v6e-8").as_text(), "TPU v6 lite")
+    model = ModelConfig.preset("tiny", d_model=256, seq_len=256, sinkhorn_iters=3, nash_iters=5)
+    train = TrainConfig(batch_size=16, grad_accum_steps=2)
+    with ExecutionConfig(remat="full", remat_group=2, loss_chunks=2).use():
+        scanned = step_cost(compile_step(model, train, "v6e-8").as_text(), "TPU v6 lite")
+        with unrolled_scans():
+            flat = step_cost(compile_step(model, train, "v6e-8").as_text(), "TPU v6 lite")
     # seq 256 runs splash attention (forward, recomputed forward, dK/dV, dQ), costed by the declarations
     # nash_mhc.ops.splash hands it
     assert scanned.kernel_cycles > 0 and flat.kernel_cycles > 0 and "custom-call" not in scanned.uncosted

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import equations, perturbed
 
-from nash_mhc import LanguageModel, ModelConfig
+from nash_mhc import ExecutionConfig, LanguageModel, ModelConfig
 from nash_mhc.model import Block
 
 SEQ = 32
@@ -219,9 +219,10 @@ def test_remat_policies_and_scan_unroll_do_not_change_results():
     results = {}
     settings = {"none": {}, "full": {}, "full-group": {"remat_group": 2},  # tiny: 2 layers, 1 group
                 "dots-unrolled": {"scan_unroll": 3}, "full-group-unrolled": {"remat_group": 2, "scan_unroll": 2}}
+    config = ModelConfig.preset("tiny")
     for name, extra in settings.items():
-        config = ModelConfig.preset("tiny", remat=name.split("-")[0], **extra)
-        results[name] = value_and_grad(perturbed(LanguageModel(config, key=jax.random.key(0))), batch)
+        with ExecutionConfig(remat=name.split("-")[0], **extra).use():
+            results[name] = value_and_grad(perturbed(LanguageModel(config, key=jax.random.key(0))), batch)
     for remat in ("full", "full-group", "dots-unrolled", "full-group-unrolled"):
         np.testing.assert_allclose(float(results[remat][0]), float(results["none"][0]), rtol=1e-6)
         for a, b in zip(jax.tree.leaves(results[remat][1]), jax.tree.leaves(results["none"][1]), strict=True):
@@ -240,9 +241,10 @@ def test_layers_leaving_their_last_update_to_the_next_layer_give_the_same_loss_a
     batch = tokens(batch=2, seq=17)
 
     def run(**settings: object) -> tuple[jax.Array, LanguageModel]:
-        config = ModelConfig.preset("tiny", attention="full", num_layers=4, **settings)  # mhc
+        config = ModelConfig.preset("tiny", attention="full", num_layers=4)  # mhc
         model = perturbed(LanguageModel(config, key=jax.random.key(0)))
-        return eqx.filter_jit(eqx.filter_value_and_grad(lm_loss))(model, batch)  # a new jit: a new trace
+        with ExecutionConfig(**settings).use():
+            return eqx.filter_jit(eqx.filter_value_and_grad(lm_loss))(model, batch)  # a new jit: a new trace
 
     own = run()
     monkeypatch.setattr(model_module, "leaves_updates", lambda mode, tokens, dim: mode in MHC_MODES)
@@ -258,10 +260,10 @@ def test_scan_unroll_runs_the_layers_without_a_loop(unroll, group, loops):
     """scan_unroll counts layers per loop iteration, with or without remat groups: >= num_layers leaves no loop in
     the lowered forward pass (plain + full has no other loop); with groups of 3, unroll 3 unrolls the scan within
     each group but keeps the loop over the groups."""
-    config = ModelConfig.preset("tiny", residual="plain", attention="full", num_layers=6, scan_unroll=unroll,
-                                remat="full" if group > 1 else "none", remat_group=group)
+    config = ModelConfig.preset("tiny", residual="plain", attention="full", num_layers=6)
     model = LanguageModel(config, key=jax.random.key(0))
-    text = jax.jit(lambda m, t: m(t).logits).lower(model, tokens(batch=2)).as_text()
+    with ExecutionConfig(scan_unroll=unroll, remat="full" if group > 1 else "none", remat_group=group).use():
+        text = jax.jit(lambda m, t: m(t).logits).lower(model, tokens(batch=2)).as_text()
     assert text.count("stablehlo.while") == loops
 
 

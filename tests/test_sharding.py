@@ -16,7 +16,7 @@ from helpers import equations, needs_libtpu
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nash_mhc import ModelConfig
+from nash_mhc import ExecutionConfig, ModelConfig
 from nash_mhc.model import Block, LanguageModel
 from nash_mhc.params import UndeclaredParameter, declared_parameters, param
 from nash_mhc.sharding import (
@@ -351,9 +351,10 @@ def test_train_step_traces_the_model_under_its_mesh():
 
     c = ModelConfig.preset("tiny", **SHARDABLE, dtype="bfloat16")
     mesh = make_mesh(1, 8, 1)
-    state = abstract_train_state(c, TrainConfig(batch_size=8, remat="full"), mesh)
+    state = abstract_train_state(c, TrainConfig(batch_size=8), mesh)
     batch = abstract_batch(8, c.seq_len, mesh)
-    text = jax.jit(lambda b, s: step_module._train_step_jit(b, s)).lower(batch, state).as_text()
+    with ExecutionConfig(remat="full").use():
+        text = jax.jit(lambda b, s: step_module._train_step_jit(b, s)).lower(batch, state).as_text()
     hidden = f": tensor<{8 * c.seq_len}x{c.ffn_hidden}xbf16>"  # Shardy: sdy.sharding_constraint %x <@mesh, ...>
     pins = [line for line in text.splitlines() if "sharding_constraint" in line and line.endswith(hidden)]
     assert len(pins) >= 4, pins  # gate and up, forward and backward (each pin constrains the cotangent too)

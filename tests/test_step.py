@@ -17,7 +17,7 @@ import optax
 import pytest
 from helpers import equations
 
-from nash_mhc import LanguageModel, ModelConfig
+from nash_mhc import ExecutionConfig, LanguageModel, ModelConfig, execution
 from nash_mhc.sharding import make_mesh, named_shardings, path_str, shard_batch
 from nash_mhc.training import (
     Batch,
@@ -31,7 +31,6 @@ from nash_mhc.training import (
     num_train_step_traces,
     reshard_state,
     train_step,
-    training_model_config,
 )
 from nash_mhc.training import step as step_module
 from nash_mhc.training.optim import coefficient_mask
@@ -89,19 +88,17 @@ class Runs(dict):
         self.base = init_train_state(MODEL, TRAIN, mesh_for((1, 1, 1)), key=jax.random.key(0))
 
     def __missing__(self, shape: tuple[int, int, int]) -> dict:
-        base = self.base
-        if shape in REMAT_ON:  # the same parameters (same key), rematerialised
-            base = init_train_state(MODEL.replace(**REMAT_ON[shape]), TRAIN, mesh_for((1, 1, 1)), key=jax.random.key(0))
-        state = reshard_state(base, mesh_for(shape))  # a copy: ``base`` is never donated
+        state = reshard_state(self.base, mesh_for(shape))  # a copy: ``base`` is never donated
         traces_before = num_train_step_traces()
         metrics, params = [], {}
-        for i, batch in enumerate(self.batches):
-            state, m = train_step(state, batch)
-            metrics.append({k: float(v) for k, v in m.items()})
-            if i + 1 in (1, 3):
-                params[i + 1] = host(state.model)
+        with ExecutionConfig(**REMAT_ON.get(shape, {})).use() as execution:  # the same parameters, rematerialised
+            for i, batch in enumerate(self.batches):
+                state, m = train_step(state, batch)
+                metrics.append({k: float(v) for k, v in m.items()})
+                if i + 1 in (1, 3):
+                    params[i + 1] = host(state.model)
         self[shape] = dict(metrics=metrics, params=params, traces=num_train_step_traces() - traces_before,
-                           state=state, batches=self.batches)
+                           state=state, batches=self.batches, execution=execution)
         return self[shape]
 
 
@@ -117,9 +114,9 @@ def test_sharded_steps_match_one_device(runs, shape):
     """3 float32 steps: losses within 1e-5 relative, every parameter within 1e-4 absolute; on the meshes of
     REMAT_ON with remat full, dots, or full in groups of 2 layers, against the un-rematerialised one device."""
     ref, got = runs[(1, 1, 1)], runs[shape]
-    config = got["state"].model.config
-    assert (config.remat, config.remat_group) == (REMAT_ON.get(shape, {}).get("remat", "none"),
-                                                  REMAT_ON.get(shape, {}).get("remat_group", 1))
+    execution = got["execution"]
+    assert (execution.remat, execution.remat_group) == (REMAT_ON.get(shape, {}).get("remat", "none"),
+                                                        REMAT_ON.get(shape, {}).get("remat_group", 1))
     for step in range(3):
         for name in ("loss", "ce_loss", "aux_loss", "grad_norm"):
             a, b = got["metrics"][step][name], ref["metrics"][step][name]
@@ -280,12 +277,12 @@ def test_batch_must_divide_over_batch_shards_and_microbatches():
 
 @pytest.mark.slow
 def test_bfloat16_remat_and_accumulation_together(runs):
-    """bf16 compute with f32 parameters, remat "dots" from TrainConfig, 2 microbatches: close to float32."""
+    """bf16 compute with f32 parameters, remat "dots" (ExecutionConfig), 2 microbatches: close to float32."""
     mesh = mesh_for((1, 1, 1))
-    config = TRAIN.replace(remat="dots", grad_accum_steps=2)
+    config = TRAIN.replace(grad_accum_steps=2)
     state = init_train_state(MODEL.replace(dtype="bfloat16"), config, mesh, key=jax.random.key(0))
-    assert state.model.config.remat == "dots"
-    state, metrics = train_step(state, runs[(1, 1, 1)]["batches"][0])
+    with ExecutionConfig(remat="dots").use():
+        state, metrics = train_step(state, runs[(1, 1, 1)]["batches"][0])
     ref = runs[(1, 1, 1)]["metrics"][0]
     assert float(metrics["skipped"]) == 0.0
     assert float(metrics["ce_loss"]) == pytest.approx(ref["ce_loss"], rel=2e-2)
@@ -411,7 +408,7 @@ def test_train_config_defaults_and_validation():
     for bad in [dict(batch_size=0), dict(learning_rate=0.0), dict(min_lr_ratio=1.5), dict(beta2=1.0),
                 dict(warmup_steps=20, total_steps=10), dict(warmup_steps=20, total_steps=40, lr_schedule_steps=10),
                 dict(batch_size=6, grad_accum_steps=4),
-                dict(grad_clip=-1.0), dict(remat="sometimes"), dict(eps=0.0), dict(seed=-1)]:
+                dict(grad_clip=-1.0), dict(eps=0.0), dict(seed=-1)]:
         with pytest.raises(ValueError, match="TrainConfig"):
             TrainConfig(**bad)
     # Wrong types: the conftest's jaxtyping/beartype hook may reject them first (TypeError), else we do.
@@ -420,9 +417,30 @@ def test_train_config_defaults_and_validation():
             TrainConfig(**bad)
 
 
-def test_remat_override():
-    assert training_model_config(MODEL, TrainConfig(remat="full")).remat == "full"
-    assert training_model_config(MODEL.replace(remat="dots"), TrainConfig()).remat == "dots"
+def test_execution_settings_resolve_per_preset_and_leave_the_configs():
+    """remat, remat_group, scan_unroll and loss_chunks are ExecutionConfig's: a flag not given takes the preset's
+    value of nash_mhc.execution.DEFAULTS (the pair remat / remat_group only when neither is given), else the plain
+    default; ExecutionConfig.use() puts them in force for the traces within it; a format-3 checkpoint's model and
+    train config, which still carry them, read back without them."""
+    assert ExecutionConfig().for_preset("tiny") == ExecutionConfig("auto", "none", 1, 1, 1)
+    assert ExecutionConfig().for_preset("1b") == ExecutionConfig("auto", "full", 1, 16, 8)
+    assert ExecutionConfig(remat_group=2).for_preset("3b") == ExecutionConfig("auto", "none", 2, 28, 8)
+    assert ExecutionConfig(remat="dots", loss_chunks=2).for_preset("1b").remat_group == 1
+    with pytest.raises(ValueError, match="remat"):
+        ExecutionConfig(remat="sometimes")
+    with pytest.raises(ValueError, match="--remat-group 3 does not divide --num-layers 2"):
+        ExecutionConfig(remat_group=3).check(2, 16)
+    with pytest.raises(ValueError, match="--loss-chunks 3 does not divide --seq-len 16"):
+        ExecutionConfig(loss_chunks=3).check(2, 16)
+    assert execution.current() == execution.Execution()
+    with ExecutionConfig(remat="full", remat_group=2, scan_unroll=2, loss_chunks=4).use():
+        assert execution.current() == execution.Execution("full", 2, 2, 4)
+    assert execution.current() == execution.Execution()
+    old_model = {**MODEL.to_dict(), "remat": "full", "remat_group": 2, "scan_unroll": 4}
+    assert ModelConfig.from_dict(old_model) == MODEL and "remat" not in MODEL.to_dict()
+    assert TrainConfig.from_dict({**TRAIN.to_dict(), "remat": None, "loss_chunks": 8}) == TRAIN
+    with pytest.raises(ValueError, match="no field 'remat_groups'"):
+        ModelConfig.from_dict({**MODEL.to_dict(), "remat_groups": 2})
 
 
 # ------------------------------------------------------------------------------------ chunked cross-entropy

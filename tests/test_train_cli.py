@@ -417,8 +417,10 @@ def test_large_presets_train_with_their_memory_settings_unless_flags_say_otherwi
     """--model 1b and --model 3b default to remat full per layer and 8 loss chunks (docs/tpu.md, "Does it fit?");
     --remat/--remat-group override the pair, --loss-chunks alone; other presets keep no remat."""
     def memory(*argv: str) -> tuple[str, int, int]:
-        configs, _ = train_module.configs(list(argv))
-        return configs.model.remat, configs.model.remat_group, configs.train.loss_chunks
+        parser = train_module.build_parser()
+        configs, _ = train_module.configs(list(argv), parser)
+        execution = train_module.execution_config(list(argv), parser, configs.model)
+        return execution.remat, execution.remat_group, execution.loss_chunks
 
     assert memory("--model", "1b") == ("full", 1, 8)
     assert memory("--model", "3b") == ("full", 1, 8)
@@ -427,6 +429,8 @@ def test_large_presets_train_with_their_memory_settings_unless_flags_say_otherwi
     assert memory("--model", "3b", "--loss-chunks", "2") == ("full", 1, 2)
     assert memory("--model", "3b", "--remat", "full", "--remat-group", "4") == ("full", 4, 8)
     assert memory("--model", "base") == ("none", 1, 1) == memory("--model", "tiny")
+    with pytest.raises(ValueError, match="--loss-chunks 3 does not divide --seq-len 64"):
+        memory("--model", "tiny", "--loss-chunks", "3")
 
 
 def test_batch_size_is_the_microbatch_and_accumulation_multiplies_it():

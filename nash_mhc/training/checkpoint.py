@@ -75,18 +75,18 @@ IMPLIED_FIELDS = {"scale_prior": "scale0"}
 
 def saved_model_config(saved: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's saved model config with the fields it predates at the values it implies
-    (:data:`IMPLIED_FIELDS`)."""
-    return {**IMPLIED_FIELDS, **saved}
+    (:data:`IMPLIED_FIELDS`) and without the fields that have left the architecture (``ModelConfig.RETIRED``:
+    format 3 kept the layer scan's remat and unroll there)."""
+    return {k: v for k, v in {**IMPLIED_FIELDS, **saved}.items() if k not in ModelConfig.RETIRED}
 
 
 def config_differences(saved: dict[str, Any], current: ModelConfig) -> list[str]:
     """Names of the architecture fields whose values differ, and of saved fields this version does not have
-    (runtime-only fields are ignored). A field the checkpoint predates counts at its implied value
+    (retired fields are ignored). A field the checkpoint predates counts at its implied value
     (:func:`saved_model_config`); any other field it lacks is not compared."""
-    runtime = {"remat", "remat_group", "scan_unroll"}
     saved = saved_model_config(saved)
     now = dataclasses.asdict(current)
-    changed = [k for k in now if k not in runtime and k in saved and saved[k] != now[k]]
+    changed = [k for k in now if k in saved and saved[k] != now[k]]
     return sorted(changed + [k for k in saved if k not in now])
 
 

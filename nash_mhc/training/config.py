@@ -4,9 +4,9 @@ declared once (default, help, check); ``python -m nash_mhc.train`` generates its
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import ClassVar
 
-from nash_mhc.config import REMAT_POLICIES, ConfigMethods
+from nash_mhc.config import ConfigMethods
 from nash_mhc.settings import (
     NON_NEGATIVE,
     NON_NEGATIVE_INT,
@@ -20,16 +20,6 @@ from nash_mhc.settings import (
 SEED = (lambda v: NON_NEGATIVE_INT[0](v) and v < 2**63, "must be an integer in [0, 2**63)")  # jax.random.key's range
 
 
-# The training program's memory settings per preset, where a preset's train step does not fit a TPU slice's
-# HBM without them. 1b and 3b rematerialise each layer on its own (they fit v5e-8, v6e-8 and v4-32 without layer
-# groups and run faster; the fit table's largest batches need groups); the compile-only figures behind this are
-# in docs/tpu.md, "Does it fit?". A flag given overrides them: --remat/--remat-group as a pair, --loss-chunks alone.
-MEMORY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "1b": {"remat": "full", "remat_group": 1, "loss_chunks": 8},
-    "3b": {"remat": "full", "remat_group": 1, "loss_chunks": 8},
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(ConfigMethods):
     """Optimiser, schedule and step settings (frozen, validated; ``TrainConfig()`` is valid).
@@ -40,8 +30,10 @@ class TrainConfig(ConfigMethods):
     ``batch_size`` sequences (all microbatches, all hosts), split into ``grad_accum_steps`` microbatches
     (strided split, token-weighted accumulation). The training program's ``--batch-size`` is the microbatch,
     so it sets ``batch_size = --batch-size x grad_accum_steps``.
-    ``remat``: None keeps ``ModelConfig.remat``; a policy overrides it for training (library use; no flag).
     """
+
+    # format-3 checkpoints carry these; they are ExecutionConfig's now (nash_mhc.execution)
+    RETIRED: ClassVar[tuple[str, ...]] = ("remat", "loss_chunks")
 
     grad_accum_steps: int = setting(1, "microbatches per optimizer update (default: 1, or from "
                                        "--total-batch-tokens)", check=POSITIVE_INT)
@@ -67,11 +59,6 @@ class TrainConfig(ConfigMethods):
     eps: float = setting(1e-8, "AdamW epsilon", check=POSITIVE)
     grad_clip: float = setting(1.0, "global gradient-norm clip (0 disables)", check=NON_NEGATIVE)
     seed: int = setting(0, "seed of initialisation and data order", check=SEED)
-    remat: str | None = setting(None, choices=REMAT_POLICIES)
-    loss_chunks: int = setting(1, "compute the LM head and cross-entropy over this many slices of the sequence, "
-                                  "one at a time, so only one slice's full-vocabulary logits exist at once "
-                                  "(saves memory for large vocabularies; must divide seq-len)",
-                               check=POSITIVE_INT)
 
     def __post_init__(self) -> None:
         check_settings(self)

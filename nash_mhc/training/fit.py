@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from nash_mhc import execution
 from nash_mhc.config import ModelConfig
 from nash_mhc.hardware import captured_native_stderr, detect_accelerator, libtpu_installed, tpu_chips_on_pci
 from nash_mhc.model import num_params
@@ -42,7 +43,7 @@ from nash_mhc.sharding import batch_spec, make_mesh
 from nash_mhc.training import estimate
 from nash_mhc.training import step as train_step_module
 from nash_mhc.training.config import TrainConfig
-from nash_mhc.training.state import Batch, TrainState, state_initializer, training_model_config
+from nash_mhc.training.state import Batch, TrainState, state_initializer
 
 GIB = 2**30
 
@@ -284,11 +285,10 @@ def parse_out_of_memory(message: str) -> tuple[str, int | None, int | None] | No
 
 
 def describe_model(model_config: ModelConfig, train_config: TrainConfig) -> str:
-    config = training_model_config(model_config, train_config)
-    params = num_params(config)
-    return (f"{params:,} parameters, d_model {config.d_model}, {config.num_layers} layers, "
-            f"{config.num_streams} streams, {config.dtype}, remat {config.remat}"
-            + (f" in groups of {config.remat_group}" if config.remat != "none" and config.remat_group > 1 else ""))
+    config, scan = model_config, execution.current()  # the step is compiled under ExecutionConfig.use()
+    return (f"{num_params(config):,} parameters, d_model {config.d_model}, {config.num_layers} layers, "
+            f"{config.num_streams} streams, {config.dtype}, remat {scan.remat}"
+            + (f" in groups of {scan.remat_group}" if scan.remat != "none" and scan.remat_group > 1 else ""))
 
 
 def check_fit(model_config: ModelConfig, train_config: TrainConfig, *, topology: str | None = None,
@@ -310,14 +310,14 @@ def check_fit(model_config: ModelConfig, train_config: TrainConfig, *, topology:
     mesh = make_mesh(data, fsdp, tp, devices=devices)
     state = abstract_train_state(model_config, train_config, mesh)
     batch = abstract_batch(train_config.batch_size, model_config.seq_len, mesh)
-    train_step_module._check_batch(batch, mesh, train_config.grad_accum_steps, train_config.loss_chunks)
+    train_step_module._check_batch(batch, mesh, train_config.grad_accum_steps, execution.current().loss_chunks)
     state_bytes = per_device_bytes(state)
     hbm, hbm_source = hbm_of(devices[0])
     common = dict(target=target, device_kind=devices[0].device_kind, num_devices=len(devices),
                   mesh_shape=tuple(mesh.shape.values()), batch_size=train_config.batch_size,
                   seq_len=model_config.seq_len, grad_accum_steps=train_config.grad_accum_steps,
                   preset=describe_model(model_config, train_config), state_bytes=state_bytes,
-                  flops_per_token=training_model_config(model_config, train_config).flops_per_token())
+                  flops_per_token=model_config.flops_per_token())
 
     start = time.perf_counter()
     # The step training runs (filter_jit over _train_step, state donated), traced inside a jit that takes the

@@ -90,13 +90,6 @@ def with_model(state: TrainState, model: LanguageModel) -> TrainState:
                        is_leaf=lambda x: x is None)
 
 
-def training_model_config(model_config: ModelConfig, train_config: TrainConfig) -> ModelConfig:
-    """The model config used for training: ``TrainConfig.remat`` (when set) overrides ``ModelConfig.remat``."""
-    if train_config.remat is None or train_config.remat == model_config.remat:
-        return model_config
-    return model_config.replace(remat=train_config.remat)
-
-
 def _is_shape(x: object) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
 
@@ -109,7 +102,6 @@ def state_initializer(model_config: ModelConfig, train_config: TrainConfig, mesh
     ``init_leaves`` is ``jax.jit(..., out_shardings=...)`` over the array leaves of the state (so it can be
     lowered and inspected, e.g. for its per-device memory); ``key`` only fixes the key's abstract type.
     """
-    model_config = training_model_config(model_config, train_config)
     optimizer = make_optimizer(train_config)
 
     def build(key: jax.Array) -> TrainState:

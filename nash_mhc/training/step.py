@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PyTree
 
+from nash_mhc import execution
 from nash_mhc.model import LanguageModel, lm_head_logits
 from nash_mhc.ops.multiscale import choice_mask
 from nash_mhc.params import map_declared
@@ -264,7 +265,7 @@ def _train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
 
         def objective(p: PyTree) -> tuple[jax.Array, tuple[jax.Array, jax.Array, dict[str, jax.Array]]]:
             ce_sum, _, aux_sum, diagnostics = forward_terms(eqx.combine(p, static), *xs, mesh,
-                                                            loss_chunks=config.loss_chunks)
+                                                            loss_chunks=execution.current().loss_chunks)
             return ce_sum / denom + weight * aux_sum / aux_denom, (ce_sum, aux_sum, diagnostics)
 
         # Under the mesh, the model pins its activations' batch dimension (nash_mhc.sharding.constrain_batch),
@@ -359,7 +360,7 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     microbatches) and, for the Nash aggregation, nash_temperature (the learned tau averaged over layers).
     Host arrays in ``batch`` are placed with :func:`nash_mhc.sharding.shard_batch`.
     """
-    _check_batch(batch, state.mesh, state.train_config.grad_accum_steps, state.train_config.loss_chunks)
+    _check_batch(batch, state.mesh, state.train_config.grad_accum_steps, execution.current().loss_chunks)
     return _train_step_jit(shard_batch(batch, state.mesh), state)
 
 
