@@ -119,7 +119,7 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={out / 'dump'}".strip()
 
     import jax
-    from accelerator_step import VARIANTS, ours
+    from accelerator_step import VARIANTS, execution_of, ours
 
     if args.variant not in VARIANTS:
         parser.error(f"--variant must be one of {', '.join(VARIANTS)}")
@@ -138,7 +138,7 @@ def main() -> None:
     module = max((out / "dump").glob("*train_step*after_optimizations.txt"), key=os.path.getsize)
     xplane = max((out / "trace").rglob("*.xplane.pb"), key=os.path.getmtime)
     print(f"{args.preset} {args.variant}, batch {args.batch_size}, dtype {args.dtype or 'preset'}, scan_unroll "
-          f"{config.scan_unroll}, one "
+          f"{execution_of(args.preset, args.scan_unroll).scan_unroll}, one "
           f"{device.device_kind}; {args.steps} traced steps; module {module.name}")
     print(f"wall {wall * 1e3:.1f} ms per step, {tokens / wall:,.0f} tokens/s")
     for line in summarise(xplane, module.read_text(), args.steps, device.platform == "cpu", args.top):

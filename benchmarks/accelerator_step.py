@@ -38,24 +38,36 @@ VARIANTS = {"plain+full": dict(residual="plain", attention="full"),
 WARMUP = 3
 
 
-def model_config(preset: str, variant: str, dtype: str | None, scan_unroll: int | None = None):
+def model_config(preset: str, variant: str, dtype: str | None):
     from nash_mhc import ModelConfig
 
     overrides = dict(VARIANTS[variant])
     if dtype:
         overrides["dtype"] = dtype
-    if scan_unroll:
-        overrides["scan_unroll"] = scan_unroll
     return ModelConfig.preset(preset, **overrides)
 
 
+def execution_of(preset: str, scan_unroll: int | None = None):
+    """The ExecutionConfig the step runs under: the preset's defaults, ``scan_unroll`` when given."""
+    from nash_mhc import ExecutionConfig
+
+    return ExecutionConfig(scan_unroll=scan_unroll).for_preset(preset)
+
+
 def ours(preset: str, variant: str, dtype: str | None, batch_size: int, scan_unroll: int | None = None):
-    """(step callable returning the loss as an array, the variant's ModelConfig, the device)."""
+    """(step callable returning the loss as an array, the variant's ModelConfig, the device); the step is traced
+    and run under :func:`execution_of`."""
     import jax
     from nanogpt_compare import train_step_of
 
-    config = model_config(preset, variant, dtype, scan_unroll)
-    return train_step_of(config, batch_size, learning_rate=3e-4), config, jax.devices()[0]
+    config, execution = model_config(preset, variant, dtype), execution_of(preset, scan_unroll)
+    step = train_step_of(config, batch_size, learning_rate=3e-4)
+
+    def run(*args, **kwargs):
+        with execution.use():
+            return step(*args, **kwargs)
+
+    return run, config, jax.devices()[0]
 
 
 def nanogpt(model_py: Path, preset: str, dtype: str | None, batch_size: int, compile_: bool):

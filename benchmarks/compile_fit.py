@@ -66,7 +66,7 @@ def main() -> None:
     if args.dump_dir:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.dump_dir}".strip()
 
-    from nash_mhc import ModelConfig, TrainConfig
+    from nash_mhc import ExecutionConfig, ModelConfig, TrainConfig
     from nash_mhc.sharding import resolve_mesh_shape
     from nash_mhc.training.fit import check_fit, report_lines, resolve_topology
 
@@ -79,11 +79,11 @@ def main() -> None:
             overrides[field] = value
     model_config = ModelConfig.preset(args.preset, **overrides)
     data, fsdp, _ = resolve_mesh_shape(args.data, args.fsdp, args.tp, resolve_topology(args.topology).chips)
-    train_config = TrainConfig(batch_size=args.per_chip_batch * data * fsdp, grad_accum_steps=args.grad_accum_steps,
-                               remat=args.remat, loss_chunks=args.loss_chunks)
+    train_config = TrainConfig(batch_size=args.per_chip_batch * data * fsdp, grad_accum_steps=args.grad_accum_steps)
     start = time.perf_counter()
-    report = check_fit(model_config, train_config, topology=args.topology, data=args.data, fsdp=args.fsdp,
-                       tp=args.tp)
+    with ExecutionConfig(remat=args.remat, loss_chunks=args.loss_chunks).use():
+        report = check_fit(model_config, train_config, topology=args.topology, data=args.data, fsdp=args.fsdp,
+                           tp=args.tp)
     print("\n".join(report_lines(report)))
     if args.dump_dir:
         print("\n".join(largest_buffers(args.dump_dir, args.top)))

@@ -73,14 +73,15 @@ def commit() -> str:
 def compile_once(preset: str, slice_name: str, per_chip: int, loss_chunks: int, remat_group: int) -> dict:
     import jax
 
-    from nash_mhc import ModelConfig, TrainConfig
+    from nash_mhc import ExecutionConfig, ModelConfig, TrainConfig
     from nash_mhc.training.fit import check_fit, resolve_topology
 
     chips = resolve_topology(slice_name).chips
-    model = ModelConfig.preset(preset, remat_group=remat_group)
-    train = TrainConfig(batch_size=per_chip * chips, remat="full", loss_chunks=loss_chunks)
+    model = ModelConfig.preset(preset)
+    train = TrainConfig(batch_size=per_chip * chips)
     start = time.perf_counter()
-    report = check_fit(model, train, topology=slice_name, data=1, fsdp=-1, tp=1)
+    with ExecutionConfig(remat="full", remat_group=remat_group, loss_chunks=loss_chunks).use():
+        report = check_fit(model, train, topology=slice_name, data=1, fsdp=-1, tp=1)
     jax.clear_caches()
     return {"preset": preset, "slice": slice_name, "per_chip": per_chip, "loss_chunks": loss_chunks,
             "remat_group": remat_group, "seq_len": model.seq_len, "dtype": model.dtype, "fits": report.fits,

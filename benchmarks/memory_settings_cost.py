@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
 
-    from nash_mhc import ModelConfig, TrainConfig, make_mesh
+    from nash_mhc import ExecutionConfig, ModelConfig, TrainConfig, make_mesh
     from nash_mhc.training import Batch, init_train_state, train_step
 
     config = ModelConfig.preset(args.preset)
@@ -37,15 +37,16 @@ def main() -> None:
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     states, times = {}, {v: [] for v in variants}
     for remat, group, chunks in variants:
-        train_config = TrainConfig(batch_size=args.batch_size, warmup_steps=1, total_steps=1000, loss_chunks=chunks)
-        states[remat, group, chunks] = init_train_state(config.replace(remat=remat, remat_group=group), train_config,
-                                                        mesh, key=jax.random.key(0))
+        train_config = TrainConfig(batch_size=args.batch_size, warmup_steps=1, total_steps=1000)
+        states[remat, group, chunks] = init_train_state(config, train_config, mesh, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (args.batch_size, config.seq_len + 1), 0, config.vocab_size)
     batch = Batch(tokens=tokens)
 
     def step(variant: tuple[str, int, int]) -> float:
+        remat, group, chunks = variant
         start = time.perf_counter()
-        states[variant], metrics = train_step(states[variant], batch)
+        with ExecutionConfig(remat=remat, remat_group=group, loss_chunks=chunks).use():
+            states[variant], metrics = train_step(states[variant], batch)
         jax.block_until_ready(metrics)
         return time.perf_counter() - start
 
