@@ -106,8 +106,10 @@ def by_source(text: str, device_kind: str | None) -> collections.Counter[str]:
 # (part, source files): an operation belongs to the first part one of whose files its source line is in
 PARTS = (
     ("Nash aggregation: kernels", ()),  # Pallas kernels of the aggregation files below
-    ("Nash aggregation: XLA", ("ops/aggregation.py", "ops/aggregation_kernels.py", "layers/aggregation.py")),
-    ("mHC streams", ("ops/stream_collapse.py", "ops/stream_mix.py", "ops/sinkhorn", "layers/hyperconnection.py")),
+    ("Nash aggregation: XLA", ("ops/aggregation.py", "ops/aggregation_kernels.py", "ops/game.py", "ops/equilibrium.py",
+                               "layers/aggregation.py")),
+    ("mHC streams", ("ops/stream_collapse", "ops/stream_slabs.py", "ops/stream_mix.py", "ops/sinkhorn",
+                     "layers/hyperconnection.py")),
     ("multiscale resampling", ("ops/multiscale.py", "ops/downsample_kernel.py", "ops/upsample_kernel.py")),
     ("attention: flash kernels", ()),  # Pallas kernels of ops/flash_attention.py
     ("attention: projections", ("layers/attention.py",)),  # their matmuls; the rest is "attention: other"

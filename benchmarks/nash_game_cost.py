@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from nash_mhc import ModelConfig, TrainConfig, make_mesh
-from nash_mhc.ops import aggregation
+from nash_mhc.ops import aggregation, equilibrium, game
 from nash_mhc.sharding import shard_batch
 from nash_mhc.training import Batch, init_train_state
 from nash_mhc.training import step as step_module
@@ -30,13 +30,15 @@ from nash_mhc.training import step as step_module
 @contextlib.contextmanager
 def batched_linalg():
     """While tracing inside: lambda_max by ``eigvalsh`` and the solves by ``linalg.solve`` (the game before)."""
-    eigen, solve = aggregation.largest_eigenvalue, aggregation.solve_small
-    aggregation.largest_eigenvalue = lambda gram, available: jnp.linalg.eigvalsh(gram)[..., -1]
-    aggregation.solve_small = lambda matrix, rhs: jnp.linalg.solve(matrix, rhs[..., None])[..., 0]
+    eigen, solve = game.largest_eigenvalue, equilibrium.solve_small
+    aggregation.largest_eigenvalue = game.largest_eigenvalue = (
+        lambda gram, available: jnp.linalg.eigvalsh(gram)[..., -1])
+    equilibrium.solve_small = lambda matrix, rhs: jnp.linalg.solve(matrix, rhs[..., None])[..., 0]
     try:
         yield
     finally:
-        aggregation.largest_eigenvalue, aggregation.solve_small = eigen, solve
+        aggregation.largest_eigenvalue = game.largest_eigenvalue = eigen
+        equilibrium.solve_small = solve
 
 
 def main() -> None:

@@ -42,16 +42,16 @@ FREE_PRIMITIVES = {"broadcast_in_dim", "reshape", "convert_element_type", "squee
 @functools.cache
 def nash_step_ops(num_scales: int) -> tuple[int, int]:
     """(ops of one safeguarded Newton step, ops of the start and finish) of the Nash solver per position, counted
-    on the jaxpr of :func:`nash_mhc.ops.aggregation._equilibrium_entries` for one position (every value a scalar):
+    on the jaxpr of :func:`nash_mhc.ops.equilibrium._equilibrium_entries` for one position (every value a scalar):
     1 per elementwise equation, loop bodies times their trip count, structural equations free."""
     import jax
     import jax.numpy as jnp
 
-    from nash_mhc.ops import aggregation
+    from nash_mhc.ops import equilibrium
 
     def solve(gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array, iters: int) -> tuple:
-        return aggregation._equilibrium_entries(aggregation._matrix_entries(gram), aggregation._entries(prior),
-                                                temperature, aggregation._entries(available), 1e-6, iters, fixed=True)
+        return equilibrium._equilibrium_entries(equilibrium._matrix_entries(gram), equilibrium._entries(prior),
+                                                temperature, equilibrium._entries(available), 1e-6, iters, fixed=True)
 
     size = num_scales
     args = (jnp.ones((size, size)), jnp.ones((size,)), jnp.ones(()), jnp.ones((size,), bool))

@@ -12,7 +12,7 @@ import pytest
 from helpers import declared, moved
 from jax.test_util import check_grads
 
-from nash_mhc.ops.aggregation import _pullback_coefficients, centred_gram, nash_aggregate
+from nash_mhc.ops.aggregation import _pullback_coefficients, nash_aggregate
 from nash_mhc.ops.aggregation_kernels import (
     gram_pullback,
     gram_sums,
@@ -23,6 +23,7 @@ from nash_mhc.ops.aggregation_kernels import (
     stat_columns,
     weighted_sum,
 )
+from nash_mhc.ops.game import centred_gram
 from nash_mhc.sharding import make_mesh
 
 L, T, D = 3, 32, 256

@@ -29,6 +29,10 @@ def test_kernels_and_xla_of_one_file_go_to_their_own_parts():
 
 def test_files_map_to_their_parts_and_the_rest_to_everything_else():
     assert part("ops/stream_collapse.py:274 collapse", "Pallas kernel", False, "k") == "mHC streams"
+    assert part("ops/stream_collapse_kernels.py:80 _collapse_rows", "Pallas kernel", False, "k") == "mHC streams"
+    assert part("ops/stream_slabs.py:14 stream_stats", "reduce fusion", True, "f") == "mHC streams"
+    assert part("ops/equilibrium.py:120 solve_equilibrium", "while", False, "w") == "Nash aggregation: XLA"
+    assert part("ops/game.py:60 centred_gram", "reduce fusion", False, "f") == "Nash aggregation: XLA"
     assert part("ops/sinkhorn_kernel.py:80 rounds", "Pallas kernel", False, "k") == "mHC streams"
     assert part("ops/upsample_kernel.py:166 up", "Pallas kernel", False, "k") == "multiscale resampling"
     assert part("ops/rope_kernel.py:109 rotate", "Pallas kernel", True, "k") == "RoPE"

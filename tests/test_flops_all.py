@@ -22,7 +22,7 @@ import optax
 import pytest
 
 from nash_mhc.config import ModelConfig
-from nash_mhc.ops import aggregation
+from nash_mhc.ops import equilibrium
 from nash_mhc.sharding import make_mesh
 from nash_mhc.training import step as step_module
 from nash_mhc.training.config import TrainConfig
@@ -34,7 +34,7 @@ BATCH = 2
 @contextlib.contextmanager
 def no_loops():
     """Every scan and fori_loop traced inside is unrolled; the Nash solve runs its fixed ``nash_iters`` steps."""
-    scan, fori, solve = jax.lax.scan, jax.lax.fori_loop, aggregation._equilibrium_xla
+    scan, fori, solve = jax.lax.scan, jax.lax.fori_loop, equilibrium._equilibrium_xla
 
     def unrolled_scan(f, init=None, xs=None, length=None, reverse=False, unroll=1, **kwargs):
         return scan(f, init, xs, length=length, reverse=reverse, unroll=True, **kwargs)
@@ -43,16 +43,16 @@ def no_loops():
         return fori(lower, upper, body, init, unroll=True)
 
     def fixed(gram, prior, temperature, available, max_iters):
-        w, distance, z = aggregation._equilibrium_entries(
-            aggregation._matrix_entries(gram), aggregation._entries(prior), temperature,
-            aggregation._entries(available), aggregation.TOLERANCE[jnp.dtype(gram.dtype)], max_iters, fixed=True)
+        w, distance, z = equilibrium._equilibrium_entries(
+            equilibrium._matrix_entries(gram), equilibrium._entries(prior), temperature,
+            equilibrium._entries(available), equilibrium.TOLERANCE[jnp.dtype(gram.dtype)], max_iters, fixed=True)
         return jnp.stack(w, axis=-1), distance, jnp.stack(z, axis=-1)
 
-    jax.lax.scan, jax.lax.fori_loop, aggregation._equilibrium_xla = unrolled_scan, unrolled_fori, fixed
+    jax.lax.scan, jax.lax.fori_loop, equilibrium._equilibrium_xla = unrolled_scan, unrolled_fori, fixed
     try:
         yield
     finally:
-        jax.lax.scan, jax.lax.fori_loop, aggregation._equilibrium_xla = scan, fori, solve
+        jax.lax.scan, jax.lax.fori_loop, equilibrium._equilibrium_xla = scan, fori, solve
 
 
 def compiled_counts(config: ModelConfig) -> tuple[float, float]:

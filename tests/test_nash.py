@@ -23,7 +23,8 @@ from nash_mhc import LanguageModel, ModelConfig
 from nash_mhc.layers.aggregation import ScaleAggregation
 from nash_mhc.layers.hyperconnection import HyperConnection
 from nash_mhc.ops import combine, gate_weights, nash_aggregate, nash_weights, normalised_entropy, prior_weights
-from nash_mhc.ops.aggregation import largest_eigenvalue, scale_game, solve_small
+from nash_mhc.ops.equilibrium import solve_small
+from nash_mhc.ops.game import largest_eigenvalue, scale_game
 from nash_mhc.sharding import BATCH_AXES, make_mesh
 
 DEFAULT = ModelConfig.preset("tiny")

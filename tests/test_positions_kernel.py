@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import reference as ref
 
-from nash_mhc.ops import aggregation
+from nash_mhc.ops import aggregation, equilibrium
+from nash_mhc.ops.game import centred_gram, largest_eigenvalue
 from nash_mhc.ops.positions_kernel import elementwise_cost, position_rows, run_positions
 
 ITERS = 16
@@ -31,16 +32,16 @@ def game(seed: int = 0, positions: int = 1024, dim: int = 16):
     prior = np.array([0.5, -0.3, 0.2], np.float32)
     tau = np.float32(0.02)
     slabs = [jnp.asarray(outputs[None, :, s].astype(np.float32)) for s in range(3)]
-    raw, scale = aggregation.centred_gram(slabs, jnp.asarray(available[None]))
+    raw, scale = centred_gram(slabs, jnp.asarray(available[None]))
     gram = raw / scale[..., None, None]
-    effective = tau + aggregation.FLOOR * aggregation.largest_eigenvalue(gram, jnp.asarray(available[None]))
+    effective = tau + aggregation.FLOOR * largest_eigenvalue(gram, jnp.asarray(available[None]))
     inputs = (gram, jnp.broadcast_to(jnp.asarray(prior), (1, positions, 3)), effective, jnp.asarray(available[None]))
     return outputs.astype(np.float32), available, prior, tau, inputs
 
 
 @functools.cache
 def kernel_solve(seed: int = 0):
-    return jax.jit(functools.partial(aggregation._equilibrium_kernel, max_iters=ITERS, interpret=True))(
+    return jax.jit(functools.partial(equilibrium._equilibrium_kernel, max_iters=ITERS, interpret=True))(
         *game(seed)[-1])
 
 
@@ -58,14 +59,14 @@ def test_the_kernel_equals_the_xla_loop_to_float32_rounding():
     """Same steps, same frozen positions: the kernel's fixed-length loop and XLA's early stop agree to a few
     float32 ulps (the two programs fuse and round the same arithmetic differently)."""
     inputs = game()[-1]
-    xla = jax.jit(functools.partial(aggregation._equilibrium_xla, max_iters=ITERS))(*inputs)
+    xla = jax.jit(functools.partial(equilibrium._equilibrium_xla, max_iters=ITERS))(*inputs)
     for a, b in zip(kernel_solve(), xla, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=0)
 
 
 def test_a_kernel_with_one_step_is_not_the_converged_solve():
     """The loop's length reaches the kernel: one Newton step leaves a larger residual than sixteen."""
-    one = jax.jit(functools.partial(aggregation._equilibrium_kernel, max_iters=1, interpret=True))(*game()[-1])
+    one = jax.jit(functools.partial(equilibrium._equilibrium_kernel, max_iters=1, interpret=True))(*game()[-1])
     assert float(jnp.max(one[1])) > 10 * float(jnp.max(kernel_solve()[1]))
 
 
@@ -96,6 +97,6 @@ def test_run_positions_tiles_and_rejects_positions_it_cannot_tile():
 def test_sixteen_steps_reach_a_float32_fixed_point_so_more_change_no_bit():
     """The kernel runs every step of its loop (no early stop): after the default 16 each position sits at a float32
     fixed point (frozen, or a step that moves nothing), so 40 steps give the same bits."""
-    more = jax.jit(functools.partial(aggregation._equilibrium_kernel, max_iters=40, interpret=True))(*game()[-1])
+    more = jax.jit(functools.partial(equilibrium._equilibrium_kernel, max_iters=40, interpret=True))(*game()[-1])
     for a, b in zip(more, kernel_solve(), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

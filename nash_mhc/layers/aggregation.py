@@ -14,8 +14,9 @@ from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
 from nash_mhc.config import SCALE0_PRIOR_WEIGHT
-from nash_mhc.ops.aggregation import combine, gate_weights, nash_aggregate, normalised_entropy, prior_weights
+from nash_mhc.ops.aggregation import nash_aggregate
 from nash_mhc.ops.dispatch import platform_dependent
+from nash_mhc.ops.game import combine, gate_weights, normalised_entropy, prior_weights
 from nash_mhc.params import param
 
 

@@ -56,8 +56,9 @@ from jaxtyping import Array, Float, Int, jaxtyped
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.dispatch import platform_dependent, tpu_kernels
 from nash_mhc.ops.sinkhorn import sinkhorn
-from nash_mhc.ops.stream_collapse import PreWeights, collapse_streams, stream_stats, weighted_sum
+from nash_mhc.ops.stream_collapse import PreWeights, collapse_streams
 from nash_mhc.ops.stream_mix import SHARD_AXES, mix_blocks, stream_mix
+from nash_mhc.ops.stream_slabs import stream_stats, weighted_sum
 from nash_mhc.params import param
 from nash_mhc.sharding import per_shard
 

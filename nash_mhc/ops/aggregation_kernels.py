@@ -9,7 +9,7 @@ For the L scale outputs O_l [T, D] and their availability a [T, L] (1 where scal
     dots[:, l] = sum_d O_l g                      (g [T, D]: the cotangent of out)           kernel "dots"
     dO_l = a_l (dc_l - sum_m a_m dc_m / count + s o_l) + w_l g,   dc_l = sum_m A_lm c_m       kernel "pullback"
 
-"gram" gives the game its Gram matrix and scale (:func:`nash_mhc.ops.aggregation.centred_gram`), "combine" the
+"gram" gives the game its Gram matrix and scale (:func:`nash_mhc.ops.game.centred_gram`), "combine" the
 weighted sum, "dots" the weights' gradient through it, and "pullback" the outputs' whole gradient from the
 per-position coefficients of the game's backward pass (A = (dRaw + dRawᵀ) / D, s = 2 dS / (D count) where the
 scale was kept, w). In XLA, the TPU compiler ran the reductions over D, and the elementwise passes that broadcast a
@@ -124,7 +124,7 @@ def _centred(outputs: Sequence[jax.Array], mask: jax.Array, count: jax.Array, dt
 
 def _gram_columns(outputs: Sequence[jax.Array], mask: jax.Array) -> list[jax.Array]:
     """The K float32 arrays whose sums over D are :func:`gram_sums`' columns (the centring of
-    :func:`nash_mhc.ops.aggregation.centred_gram`)."""
+    :func:`nash_mhc.ops.game.centred_gram`)."""
     count = jnp.maximum(sum(mask[..., s:s + 1] for s in range(len(outputs))), 1.0)
     _, o, c = _centred(outputs, mask, count, F32)
     return [x * x for x in o] + [c[i] * c[j] for i, j in pairs(len(outputs))]
@@ -132,7 +132,7 @@ def _gram_columns(outputs: Sequence[jax.Array], mask: jax.Array) -> list[jax.Arr
 
 def weighted_sum_xla(outputs: Sequence[jax.Array], weights: jax.Array) -> jax.Array:
     """sum_l w_l O_l computed in the weights' dtype, returned in the outputs' dtype: the combine kernel's body and
-    the XLA form (:func:`nash_mhc.ops.aggregation.combine`)."""
+    the XLA form (:func:`nash_mhc.ops.game.combine`)."""
     out = sum(weights[..., s:s + 1] * x.astype(weights.dtype) for s, x in enumerate(outputs))
     return out.astype(outputs[0].dtype)
 

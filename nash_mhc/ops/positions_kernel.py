@@ -6,7 +6,7 @@
 takes one list of entries per array (each entry an array over some positions) and returns one list per output,
 ``out_entries[j]`` entries each; every operation in it must be elementwise over the positions. The kernel walks
 tiles of ``rows`` x 128 positions and runs ``fn`` on each tile's entries, loops included, without touching HBM in
-between: the Nash game's Newton loop (:mod:`nash_mhc.ops.aggregation`) run by XLA on TPU is a dozen small fusions
+between: the Nash game's Newton loop (:mod:`nash_mhc.ops.equilibrium`) run by XLA on TPU is a dozen small fusions
 per iteration, each reading and writing [B, T] arrays in HBM, about 5 ms of the `1b` step's compiler estimate
 (docs/tpu.md); here it is one kernel per call.
 

@@ -26,7 +26,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from nash_mhc.model import LanguageModel
-from nash_mhc.ops.aggregation import prior_weights
+from nash_mhc.ops.game import prior_weights
 from nash_mhc.ops.multiscale import available_mask
 
 Sums = dict[str, jax.Array]
