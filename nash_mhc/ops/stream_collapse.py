@@ -45,7 +45,7 @@ and, on TPU, each attention's collapse the previous layer's FFN update.
 In XLA the sum of squares and the projection read X in separate fusions (about 1 ms for one 1b sublayer on v6e
 against 0.33 ms for one read), and XLA's own backward of the slab form spends about 9 ms, writing float32 copies
 of the streams and summing the n stream gradients in separate passes (compiler estimates,
-``benchmarks/stream_mix_probe.py``). Each ``pallas_call`` declares its cost (:func:`kernel_costs`). The kernels
+docs/results/tpu_estimate/README.md). Each ``pallas_call`` declares its cost (:func:`kernel_costs`). The kernels
 run on TPU only (:meth:`nash_mhc.layers.hyperconnection.HyperConnection.streams_major`); ``interpret=True`` runs
 them in Pallas' interpreter (CPU tests). ``kernels=False`` (the CPU's and GPU's form) computes the same
 functions and backward rule with each kernel's slab form in XLA, so the n stream gradients are written once,
@@ -431,7 +431,7 @@ def _dx(x, g, du, scalars, draw, w_t, *update, blocks, interpret, kernels=True):
         dx = jnp.stack([res_transpose(scalars, gs, j, n + 1) + scalars[:, j:j + 1] * du32
                         + scalars[:, n:n + 1] * x[j].astype(F32) + draw @ w_t[j] for j in range(n)]).astype(x.dtype)
         # dW_j = X_jᵀ d_raw as (d_rawᵀ X_j)ᵀ from a materialised d_rawᵀ [C, T]: XLA CPU ran the product with
-        # d_raw's C = 24 columns minor at ~25 GFLOP/s, the [C, D] one 2-3 x as fast (benchmarks/README.md)
+        # d_raw's C = 24 columns minor at ~25 GFLOP/s, the [C, D] one 2-3 x as fast (docs/results/cpu_throughput)
         draw_t = jax.lax.optimization_barrier(draw.T)
         dw = jnp.swapaxes(jnp.stack([draw_t @ x[j].astype(F32) for j in range(n)]), 1, 2)
         return dx, dw, *(mix_backward(*update, dx, None, interpret, True)[1:] if update else ())
