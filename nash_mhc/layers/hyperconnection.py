@@ -177,7 +177,7 @@ class HyperConnection(eqx.Module):
 
         Every per-token stream operation is written over the n [T, D] slabs, not as a reduction over a stream
         axis: on TPU the token-major [T, n, D] puts the n streams in one (n, 128) tile, and the compiler's cost
-        model charges a reduction over them about 8 x the slab form (``benchmarks/stream_layout_probe.py``).
+        model charges a reduction over them about 8 x the slab form (docs/results/tpu_estimate/README.md).
         The float32 math is that of the module docstring."""
         n, seq, _ = xs.shape
         normed = (lambda u: u) if norm is None else norm

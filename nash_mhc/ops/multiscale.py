@@ -58,7 +58,7 @@ def _downsample_xla(x: jax.Array, weights: jax.Array) -> jax.Array:
     """:func:`downsample` of whole blocks in XLA: a reduction over the block's offsets, products and sum in float32
     (float64 for float64 x). The einsum "...bod,od->...bd" is a matmul batched over D: XLA CPU transposed x to
     D-major for it and for each of its gradients, 4-7 x the time of this form's forward + backward
-    (benchmarks/README.md)."""
+    (docs/results/cpu_throughput/README.md)."""
     *batch, seq, dim = x.shape
     block = weights.shape[0]
     wide = jnp.promote_types(x.dtype, jnp.float32)

@@ -66,7 +66,7 @@ def _rounds_fwd(z: jax.Array, num_iters: int) -> tuple[jax.Array, tuple[jax.Arra
     """The rounds, keeping each one's exponentiated iterates exp(c), exp(r) [num_iters, n, n, T] for the walk
     back: 2 num_iters n² floats per matrix, where re-running the rounds in the backward pass kept only z (n²)
     but computed every round and its exponentials twice more (CPU: 1.4 x the time of forward + backward,
-    benchmarks/README.md). Under remat only the layer being differentiated holds them."""
+    docs/results/cpu_throughput/README.md). Under remat only the layer being differentiated holds them."""
     def forward(z: jax.Array, _: None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         c, r = sinkhorn_round(z)
         return r, (jnp.exp(c), jnp.exp(r))

@@ -358,7 +358,7 @@ def _dx(x, g, du, scalars, draw, w_t, *update, blocks, interpret, kernels=True):
         dx = jnp.stack([res_transpose(scalars, gs, j, n + 1) + scalars[:, j:j + 1] * du32
                         + scalars[:, n:n + 1] * x[j].astype(F32) + draw @ w_t[j] for j in range(n)]).astype(x.dtype)
         # dW_j = X_jᵀ d_raw as (d_rawᵀ X_j)ᵀ from a materialised d_rawᵀ [C, T]: XLA CPU ran the product with
-        # d_raw's C = 24 columns minor at ~25 GFLOP/s, the [C, D] one 2-3 x as fast (benchmarks/README.md)
+        # d_raw's C = 24 columns minor at ~25 GFLOP/s, the [C, D] one 2-3 x as fast (docs/results/cpu_throughput)
         draw_t = jax.lax.optimization_barrier(draw.T)
         dw = jnp.swapaxes(jnp.stack([draw_t @ x[j].astype(F32) for j in range(n)]), 1, 2)
         return dx, dw, *(mix_backward(*update, dx, None, interpret, True)[1:] if update else ())

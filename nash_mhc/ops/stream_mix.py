@@ -7,7 +7,7 @@
 Written in XLA over the n [T, D] slabs, the TPU compiler computes every output slab in its own fusion, each
 reading all n input slabs, and then copies the n slabs into the stacked result: about 4.3 ms for one 1b
 sublayer on v6e (32,768 tokens, n = 4, D = 2048) against 0.74 ms for reading x and y and writing the result once
-(``benchmarks/stream_mix_probe.py``). The kernel walks tiles of [n, tokens, D-columns] and computes all n
+(docs/results/tpu_estimate/README.md). The kernel walks tiles of [n, tokens, D-columns] and computes all n
 outputs of a tile from one read of its n inputs. Its backward kernel does the same for
 
     dx[j] = sum_i h_res[:, i, j] g[i]      dy = sum_i h_post[:, i] g[i]

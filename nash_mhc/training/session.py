@@ -311,7 +311,7 @@ def prepare(configs: Configs) -> Session:
     _check_directory(directory)
     # The peak first, in a process that has done nothing else yet, as a benchmark session or a fresh process
     # measures it: after the data, the state and the outputs were made, a CPU's matmul probe read low more often,
-    # and every MFU of such a run as much too high (benchmarks/README.md, "Training log vs benchmark").
+    # and every MFU of such a run as much too high (docs/results/startup_peak/README.md).
     peak = device_peak(dtype=configs.model.dtype)
     configs, tokenizer, train_data, eval_data, data_notes = open_data(configs)
     identity = run_identity(configs.data, tokenizer, configs.train)

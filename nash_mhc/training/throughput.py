@@ -12,7 +12,7 @@
 Why the best and not the mean: interference only ever slows the probe down. On a shared CPU a run reads
 either the hardware's rate (every core busy with it) or about half of it when a core is taken (another
 process, the prefetch thread, a thread pool still spinning after a train step), in stretches of a few
-hundred milliseconds (benchmarks/README.md, "MFU convention"). The mean of a few probes taken between
+hundred milliseconds (docs/results/cpu_throughput/README.md, "MFU convention"). The mean of a few probes taken between
 training steps landed anywhere between the two, so the logged MFU jumped by ±20 points at a constant
 tokens/s; the best of a warm, steady run reads the hardware's rate every time, and a step slowed by the
 same interference shows as a lower MFU, which is what MFU is for.
