@@ -23,6 +23,7 @@ SINKHORN_ORDER = ("c = normalise(z, 0)\n    return c, normalise(c, 1)",
                   "c = normalise(z, 1)\n    return c, normalise(c, 0)")
 
 V3_RULES, V3_TESTS = "nash_mhc/study/ablation3_protocol.py", "tests/test_study_ablation3.py"
+DEPTH_RULES, DEPTH_TESTS = "nash_mhc/study/stability_protocol.py", "tests/test_stability_protocol.py"
 
 # name: (file, [(old, new), ...], test files)
 MUTATIONS = {
@@ -349,6 +350,17 @@ MUTATIONS = {
     "v3 report at the baseline's rate": ("nash_mhc/study/ablation3_report.py",
                                          [("(r := _get(results, v, best, s))",
                                            '(r := _get(results, v, grids[variants[0]]["best"], s))')], [V3_TESTS]),
+    # the depth study's protocol answers (nash_mhc/study/stability_protocol.py)
+    "depth usable range without the tolerance": (DEPTH_RULES, [("m <= means[best] + tolerance", "m <= means[best]")],
+                                                 [DEPTH_TESTS]),
+    "depth usable range keeps diverged rates": (DEPTH_RULES, [("if m is not None and m <= means[best] + tolerance",
+                                                               "if m is None or m <= means[best] + tolerance")],
+                                                [DEPTH_TESTS]),
+    "depth edge flag sides swapped": (DEPTH_RULES, [('"low" if best == grid[0] else "high"',
+                                                     '"high" if best == grid[0] else "low"')], [DEPTH_TESTS]),
+    "depth vs plain at plain's rate": (DEPTH_RULES, [('entry("own best", mine["best_rate"], theirs["best_rate"])',
+                                                      'entry("own best", theirs["best_rate"], theirs["best_rate"])')],
+                                       [DEPTH_TESTS]),
 }
 
 

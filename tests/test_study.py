@@ -393,6 +393,14 @@ def test_stability_runs_every_mode_end_to_end_and_skips_finished_runs(tmp_path, 
     assert "python -m nash_mhc.study stability" in report_md and "- **hc**: 0 of 1 runs diverged" in report_md
     assert "the backward gain of mhc is at most n = 4" in report_md and "arXiv 2512.24880" in report_md
     assert "col-sum dev, 200 it." in report_md and "mean over tokens" in report_md
+    assert report_md.index("## Protocol answers") < report_md.index("## Findings")  # one seed, one rate
+    protocol = json.loads((out / "results.json").read_text())["protocol"]["depths"][0]
+    assert [(r["residual"], r["best_rate"], r["width"], r["edge"]) for r in protocol["residuals"]] == [
+        (m, 1e-2, 1.0, "only rate") for m in ("plain", "hc", "mhc", "mhc-lite")]
+    assert protocol["residuals"][1]["best_mean"] == runs["hc"]["eval_bits_per_byte"]
+    assert protocol["residuals"][1]["gains"]["forward_final"] == [hc_final["forward_max"][-1]] * 3
+    assert [(d["residual"], d["at"], d["n"], d["null"]) for d in protocol["vs_plain"][:2]] == [
+        ("hc", "own best", 1, None), ("hc", "common rate", 1, None)]
     for figure in ("gains_depth.png", "curves.png", "sweep.png"):
         assert (out / figure).read_bytes()[:4] == PNG and (out / figure).stat().st_size > 20_000
 

@@ -11,7 +11,9 @@
   (:mod:`~nash_mhc.study.powerlaw`).
 - :mod:`nash_mhc.study.stability` (+ ``stability_runs``, ``stability_report``): deep, narrow models over learning
   rates, trained in-process on the library API, with the gains of the composite residual mapping
-  (:mod:`~nash_mhc.study.gains`) and mHC's Sinkhorn inputs and outputs (:mod:`~nash_mhc.study.sinkhorn_probe`).
+  (:mod:`~nash_mhc.study.gains`) and mHC's Sinkhorn inputs and outputs (:mod:`~nash_mhc.study.sinkhorn_probe`);
+  its protocol answers (best rate, usable rate range, gains at the best rate, paired differences vs plain on the
+  held-out bits per byte) in :mod:`~nash_mhc.study.stability_protocol`.
 
 The ablation (both) and scaling studies drive ``python -m nash_mhc.train`` / ``nash_mhc.evaluate`` as child processes
 (:mod:`~nash_mhc.study.child_runs`, :mod:`~nash_mhc.study.runner`). Every study resumes: a finished run is never

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from nash_mhc.config import ModelConfig
-from nash_mhc.study import plots, report
+from nash_mhc.study import plots, report, stability_protocol
 from nash_mhc.study.runner import mean_std, pm, write_json
 from nash_mhc.study.stability_runs import Run, Settings
 from nash_mhc.study.variants import ATTENTION_LABELS
@@ -109,6 +109,20 @@ def setting_rows(runs: list[Run], results: dict[Run, dict[str, Any]], settings: 
     return rows
 
 
+def protocol_table(runs: list[Run], results: dict[Run, dict[str, Any]],
+                   settings: Settings) -> dict[tuple[int, str], stability_protocol.Cells]:
+    """``{(depth, residual): {rate: {seed: point or None}}}`` for :func:`stability_protocol.protocol`: a point is
+    a run's status, held-out bits per byte (when recorded) and final gains; None for a run not recorded yet."""
+    table: dict[tuple[int, str], stability_protocol.Cells] = {}
+    for run in runs:
+        record = results.get(run)
+        point = None if record is None else {
+            "status": record["status"], **{k: v for k, v in record.items() if k == stability_protocol.MEASURE},
+            **{k: v for k, v in run_summary(record, settings).items() if k in stability_protocol.GAIN_KEYS}}
+        table.setdefault((run.depth, run.residual), {}).setdefault(run.learning_rate, {})[run.seed] = point
+    return table
+
+
 def verdict(rows: list[dict[str, Any]], settings: Settings, args: argparse.Namespace) -> list[str]:
     """Plain sentences built from the rows: divergences, loss rises and gains per residual mode."""
     lines = []
@@ -195,12 +209,13 @@ def write_outputs(args: argparse.Namespace, settings: Settings, runs: list[Run],
     except Exception:  # noqa: BLE001 - the device line is informative only
         pass
     total_s = sum(r["wall_s"] for r in results.values())
+    found = stability_protocol.protocol(protocol_table(runs, results, settings))
     main_depth, main_lr = max(args.depths), max(args.learning_rates)
     write_json(out / "results.json", {
         "command": args.command_line, "note": args.note, "machine": info,
         "settings": dataclasses.asdict(settings), "complete": len(results) == len(runs),
         "runs_finished": len(results), "runs_total": len(runs), "run_wall_s": total_s,
-        "invocation_wall_s": invocation_s, "settings_rows": rows,
+        "invocation_wall_s": invocation_s, "protocol": found, "settings_rows": rows,
         "runs": [{**{k: record[k] for k in ("residual", "depth", "learning_rate", "seed", "status", "steps_done",
                                            "nonfinite_steps", "params", "step_time_s", "wall_s")},
                   **run_summary(record, settings)} for record in results.values()]})
@@ -227,6 +242,7 @@ def write_outputs(args: argparse.Namespace, settings: Settings, runs: list[Run],
               "over the tokens, and the mean over the tokens (the mHC paper's measure, its Fig. 3).", "",
               f"{PAPER_LEARNING_RATES}; the learning rates here include that range beside the higher ones that "
               "stress the residual stream.", "", *bound_lines(ModelConfig.preset(settings.model).num_streams), "",
+              *(stability_protocol.lines(found, sorted(args.learning_rates)) if found else []),
               "## Findings", "", *verdict(rows, settings, args), "", "## Every setting", "",
               f"Mean ± sample std over seeds; final loss: mean over the last {100 * FINAL_FRACTION:g} % of steps "
               "(finished runs); loss rise, max grad norm and peak gains (max over tokens): the worst seed; final "
