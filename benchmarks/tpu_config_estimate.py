@@ -8,8 +8,8 @@ mesh) instead of the table's.
 Everything after ``--`` is ``python -m nash_mhc.train`` flags, parsed by the training program's own parser;
 ``--compile-only`` there sizes the vocabulary from the tokenizer (byte-level by default), this script keeps the
 preset's (49,152 for ``base``, ``1b``, ``3b``), so its figures compare with the table's. Prints whether the step
-fits the slice's HBM (GiB per chip), the estimated step time, tokens/s per chip and MFU (the compiler's cost
-model with Pallas kernels at their declared roofline, :mod:`nash_mhc.training.estimate`; an estimate, never a
+fits the slice's HBM (GiB per chip), the estimated step time as a band, tokens/s per chip and MFU (the compiler's cost
+model with Pallas kernels at their roofline and at 60 % of it, :mod:`nash_mhc.training.estimate`; an estimate, never a
 measurement) and the compile time. Needs libtpu (``pip install -e ".[tpu]"``); runs on a CPU host
 (``JAX_PLATFORMS=cpu``).
 """
@@ -37,6 +37,7 @@ def main() -> None:
     from tpu_estimate import estimate_configs
 
     from nash_mhc import train as train_program
+    from nash_mhc.training import estimate
 
     configs, _ = train_program.configs(train_flags)
     report, figures, seconds = estimate_configs(configs, args.slice, args.hlo)
@@ -45,8 +46,8 @@ def main() -> None:
     print(f"fits: {report.fits}" + ("" if total is None else f", {total / 2**30:.2f} GiB per chip"))
     if figures is not None:
         mfu = "" if figures.mfu is None else f", est. MFU {100 * figures.mfu:.2f} %"
-        print(f"estimated step time {1e3 * figures.seconds:.1f} ms, {figures.tokens_per_second_per_chip:,.0f} "
-              f"tokens/s per chip{mfu} (the compiler's estimate)")
+        print(estimate.band_line(figures))
+        print(f"at the band's low end: {figures.tokens_per_second_per_chip:,.0f} tokens/s per chip{mfu}")
     print(f"compile {seconds:.0f} s")
 
 

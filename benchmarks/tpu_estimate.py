@@ -33,6 +33,8 @@ from typing import Any
 
 from host import cpu_model, table_host
 
+from nash_mhc.training.estimate import KERNEL_SLOW
+
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- tpu-estimate start -->", "<!-- tpu-estimate end -->"
 DOC = ROOT / "docs" / "results" / "tpu_estimate" / "README.md"  # the study's record; docs/tpu.md links it
@@ -132,7 +134,8 @@ def compile_once(preset: str, slice_name: str, variant: str, per_chip: int, labe
     return {"preset": preset, "slice": slice_name, "variant": variant, "per_chip": per_chip, "label": label,
             "flags": " ".join(argv), "seq_len": report.seq_len, "chips": report.num_devices,
             "fits": report.fits, "total_bytes": report.total_bytes, "estimate_error": report.estimate_error,
-            "seconds": figures and figures.seconds, "tokens_per_second_per_chip":
+            "seconds": figures and figures.seconds, "slow_seconds": figures and figures.slow_seconds,
+            "tokens_per_second_per_chip":
             figures and figures.tokens_per_second_per_chip, "mfu": figures and figures.mfu,
             "cycles": cost and cost.cycles, "matmul_cycles": cost and cost.matmul_cycles,
             "cycles_once": cost and cost.cycles_once, "kernel_cycles": cost and cost.kernel_cycles,
@@ -149,9 +152,9 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
     """(markdown rows, the entries with no result yet). Each entry comes from the first of ``labels`` that has it
     (the run's label first, then the ``--earlier-labels``); the "run" column names it."""
     rows = ["| preset | slice | tokens per chip | variant | remat group | memory per chip | est. step time | "
-            "est. tokens/s per chip | est. MFU | HBM per chip per step | step time ÷ plain+full | "
-            "Pallas kernels (roofline) | compile | run |",
-            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+            f"kernels at {100 * KERNEL_SLOW:.0f} % | est. tokens/s per chip | est. MFU | HBM per chip per step | "
+            "step time ÷ plain+full | Pallas kernels (roofline) | compile | run |",
+            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
 
     def first(preset: str, slice_name: str, variant: str, per_chip: int, group: object = "any") -> dict | None:
         return next((r for r in (results.get(key(preset, slice_name, variant, per_chip, label)) for label in labels)
@@ -172,14 +175,15 @@ def table(results: dict[str, dict], presets: list[str], slices: list[str], varia
                 head = (f"| {preset} | {slice_name} | {per_chip} x {r['seq_len']} | {variant} | "
                         f"{row_remat_group(r) or ''} | {memory} | ")
                 if r["seconds"] is None:
-                    rows.append(head + f"{'does not fit' if r['fits'] is False else r['estimate_error']} | | | | | | | "
-                                f"`{r['label']}` |")
+                    why = "does not fit" if r["fits"] is False else r["estimate_error"]
+                    rows.append(head + f"{why} | | | | | | | | `{r['label']}` |")
                     continue
                 base = first(preset, slice_name, "plain+full", per_chip, row_remat_group(r))  # at the same memory flags
                 ratio = (f"{r['seconds'] / base['seconds']:.2f}" if base and base.get("seconds") else "")
                 kernels = (f"{100 * r['kernel_cycles'] / r['cycles']:.1f} %" if r.get("kernel_cycles") is not None
                            else "not costed")
-                rows.append(head + f"{1e3 * r['seconds']:,.0f} ms | {r['tokens_per_second_per_chip']:,.0f} | "
+                slow = "predates the band" if r.get("slow_seconds") is None else f"{1e3 * r['slow_seconds']:,.0f} ms"
+                rows.append(head + f"{1e3 * r['seconds']:,.0f} ms | {slow} | {r['tokens_per_second_per_chip']:,.0f} | "
                             f"{100 * r['mfu']:.1f} % | {r['hbm_bytes'] / GIB:,.0f} GiB | {ratio} | {kernels} | "
                             f"{r['compile_seconds'] / 60:.0f} min | `{r['label']}` |")
     return rows, missing
@@ -206,8 +210,11 @@ def write_doc(doc: Path, rows: list[str], missing: list[str], command: str, comp
             "share of the estimate that is Pallas kernels (flash attention; RoPE; mHC's stream update, collapse and "
             "Sinkhorn; the Nash aggregation's passes over the scale outputs and its game's Newton loop; multiscale "
             "down- and upsampling) "
-            "costed at their declared roofline, a lower bound on their time (docs/results/tpu_estimate/README.md, "
-            "How it is computed; docs/tpu.md, Reading an estimate).", "",
+            "costed at their roofline (matmul FLOPs at the MXU's rate, the rest at the vector unit's), a lower bound "
+            f"on their time: \"est. step time\" is the band's low end, \"kernels at {100 * KERNEL_SLOW:.0f} %\" "
+            f"its high end, the kernels' part divided by {KERNEL_SLOW} (docs/tpu.md, How to read a band). "
+            "Rows whose high end reads \"predates the band\" were compiled before it and charged every kernel FLOP "
+            "at the MXU's rate.", "",
             *(rows + [""] if len(rows) > 2 else [])]
     if missing:
         body += [f"No estimate yet: {', '.join(missing)}.", ""]
@@ -273,7 +280,8 @@ def main() -> None:
                 with results_path.open("a") as f:
                     f.write(json.dumps(results[name]) + "\n")
                 r = results[name]
-                seconds = "-" if r["seconds"] is None else f"{1e3 * r['seconds']:.1f} ms"
+                seconds = "-" if r["seconds"] is None else (f"{1e3 * r['seconds']:.1f}-{1e3 * r['slow_seconds']:.1f} "
+                                                            f"ms (kernels at 100 %-{100 * KERNEL_SLOW:.0f} %)")
                 print(f"{preset} {slice_name} {variant} {per_chip}/chip: {seconds} "
                       f"({r['compile_seconds']:.0f} s)", flush=True)
                 refresh()

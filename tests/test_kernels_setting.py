@@ -216,6 +216,10 @@ def test_xla_compiles_a_tpu_train_step_without_a_pallas_kernel(kernels):
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("Pallas kernel calls")]
     calls = int(line.split(": ")[1].split()[0])
     assert calls == 0 if kernels == "xla" else calls > 0, line
+    # the estimate's band (kernels at 100 %-60 % of their roofline) has no width without a kernel
+    (band,) = [line for line in result.stdout.splitlines() if line.startswith("estimated step:")]
+    low, high = (float(x) for x in band.removeprefix("estimated step: ").split(" ms")[0].split("-"))
+    assert 0 < low == high if kernels == "xla" else 0 < low < high, band
 
 
 @pytest.mark.slow

@@ -91,3 +91,16 @@ def test_each_table_is_written_into_its_page(script, doc):
     assert text.count(module.START) == 1 and text.count(module.END) == 1
     assert text.index(module.START) < text.index(module.END)
     assert "tpu-estimate start" not in (root / "docs" / "tpu.md").read_text()
+
+
+def test_the_band_has_a_column_of_its_own_and_older_rows_say_they_predate_it():
+    banded = {**result("plain+full", "new", 1.0), "slow_seconds": 1.25}
+    older = result("mhc+full", "old", 1.2)  # compiled before the band: no slow_seconds
+    results = {key(r["preset"], r["slice"], r["variant"], r["per_chip"], r["label"]): r for r in (banded, older)}
+    lines, _ = table(results, ["3b"], ["v6e-8"], ["plain+full", "mhc+full"], {("3b", "v6e-8"): 8}, ["new", "old"])
+    header = lines[0].split(" | ")
+    slow = header.index("kernels at 60 %")
+    assert header[slow - 1] == "est. step time"
+    body = {line.split(" | ")[3]: line.split(" | ") for line in lines[2:]}
+    assert body["plain+full"][slow] == "1,250 ms" and body["mhc+full"][slow] == "predates the band"
+    assert all(len(line.split(" | ")) == len(header) for line in lines)

@@ -20,11 +20,11 @@ run asynchronously next to the compute), SparseCore offloads, asynchronous copie
 few array operations without a cycle estimate (gathers and scatters; their HBM bytes are counted).
 
 Pallas kernels (``tpu_custom_call``) get no cycle estimate from the compiler; each carries the
-``CostEstimate`` its author declared (FLOPs, bytes). Given the device kind, a kernel is costed at the chip's
-roofline, ``clock x max(FLOPs / FLOP/s, bytes / HBM bytes/s)`` with libtpu's own figures (:data:`ROOFLINE`):
-the conversion its ``cost_analysis()["optimal_seconds"]`` makes of the same declaration. Its declared bytes
-count as its HBM bytes. A roofline is a lower bound on a kernel's time: :attr:`StepCost.kernel_cycles` says how much of
-an estimate rests on it.
+``CostEstimate`` its author declared (FLOPs, bytes). Given the device kind, a kernel is costed at its roofline
+(:func:`kernel_roofline`: its matmul FLOPs at the MXU's rate, the rest of its FLOPs at the vector unit's, its bytes
+at HBM bandwidth). A roofline is a lower bound on a kernel's time, so a step's estimate is a band
+(:meth:`StepCost.band`): kernels at their roofline, and at :data:`KERNEL_SLOW` of it.
+:attr:`StepCost.kernel_cycles` says how much of an estimate rests on the kernels.
 
 HBM bytes per step: for every scheduled operation, the bytes of its operands and result that live in HBM
 (memory space 0; VMEM ``S(1)`` and the rest are on-chip), by the same multiplicities. A fusion operand that the
@@ -51,6 +51,7 @@ from nash_mhc.training.hlo import (
     parse_hlo,
     trip_count,
 )
+from nash_mhc.training.mosaic import dot_flops
 
 # Clock of one JAX device (a chip; a v4/v5p megacore device is both TensorCores of a chip): the bf16 peak of
 # nash_mhc.training.throughput.PEAK_FLOPS over the FLOPs per cycle of the chip's matrix units in the compiler's
@@ -64,6 +65,15 @@ CLOCK_HZ = {"TPU v4": 1.05e9, "TPU v5 lite": 1.5e9, "TPU v5": 1.75e9, "TPU v6 li
 # bandwidths are 90 % and 82 % of the vendors' 819 and 1,200 GB/s; v5p's FLOP/s are 86 % of its 459 TFLOP/s.
 ROOFLINE = {"TPU v4": (2.74e14, 9.825e11), "TPU v5 lite": (1.97e14, 7.377e11), "TPU v5": (3.94e14, 2.350e12),
             "TPU v6 lite": (9.18e14, 1.638e12)}
+# FLOP/s of one device's vector unit (VPU), derived, not published per chip: (8 sublanes x 128 lanes) x ALUs per
+# (sublane, lane) x TensorCores per device x CLOCK_HZ, one FLOP per ALU per cycle. The VPU's shape, v4's 2 ALUs and
+# v5's 4 ALUs (the v5p example: 8 x 128 x 4 x 2 cores x 1.75 GHz = 1.4e13) are from "How to Scale Your Model", "How
+# to Think About TPUs", Appendix A (jax-ml.github.io/scaling-book/tpus). v5e takes v5's 4 ALUs on its one core; v6e
+# (not published) is assumed to keep them. v4: 8 x 128 x 2 x 2 x 1.05e9, v5e: 8 x 128 x 4 x 1 x 1.5e9, v5p:
+# 8 x 128 x 4 x 2 x 1.75e9, v6e: 8 x 128 x 4 x 1 x 1.75e9.
+VECTOR_RATE = {"TPU v4": 4.30e12, "TPU v5 lite": 6.14e12, "TPU v5": 1.43e13, "TPU v6 lite": 7.17e12}
+# The slow end of the band: kernels at this fraction of their roofline (kernel time / KERNEL_SLOW).
+KERNEL_SLOW = 0.6
 
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "iota"}
@@ -137,24 +147,41 @@ class StepCost:
     uncosted: dict[str, int]            # operations without a cycle estimate, per step, by kind
     uncosted_bytes: int                 # their HBM bytes (collectives and asynchronous copies excluded)
     cycles_once: int                    # every operation once (what cost_analysis's loop-once view adds up)
-    kernel_cycles: int = 0              # the part spent in Pallas kernels, costed at their declared roofline
+    kernel_cycles: int = 0              # the part spent in Pallas kernels, costed at their roofline
 
     def seconds(self, clock_hz: float) -> float:
         return self.cycles / clock_hz
 
+    def band(self, clock_hz: float) -> tuple[float, float]:
+        """(seconds with the kernels at their roofline, seconds with them at :data:`KERNEL_SLOW` of it)."""
+        slow = self.cycles - self.kernel_cycles + self.kernel_cycles / KERNEL_SLOW
+        return self.cycles / clock_hz, slow / clock_hz
+
 
 def kernel_roofline(instruction: Instruction, device_kind: str | None) -> tuple[int, int, bool] | None:
-    """(cycles, HBM bytes, bound by its FLOPs) of a Pallas kernel from its declared ``CostEstimate`` at the
-    roofline of ``device_kind``; None for any other operation, a kernel without a declaration, or an unknown
-    device kind. A kernel whose FLOPs at the chip's matrix peak outlast its bytes is matrix work (flash
-    attention); one bound by its bytes is not, whatever multiply-adds it declares (the mHC stream kernels)."""
+    """(cycles, HBM bytes, bound by its matmuls) of a Pallas kernel from its declared ``CostEstimate``; None for
+    any other operation, a kernel without a declaration, or an unknown device kind.
+
+    The rule: of the FLOPs a kernel declares, its matmuls' (``tpu.matmul`` in the Mosaic module its custom call
+    carries, counted by :func:`nash_mhc.training.mosaic.dot_flops`, at most the declared total) are MXU work, the
+    rest vector work. Its time is the roofline of three units,
+    ``max(MXU FLOPs / MXU FLOP/s, vector FLOPs / VECTOR_RATE, declared bytes / HBM bytes/s)``, with libtpu's MXU
+    and HBM figures (:data:`ROOFLINE`, the conversion ``cost_analysis()["optimal_seconds"]`` makes of a
+    declaration, which charges every FLOP at the MXU rate) and :data:`VECTOR_RATE`. A kernel whose module cannot
+    be read is charged as libtpu does (all MXU). Its declared bytes count as its HBM bytes. Matrix work (counted in
+    :attr:`StepCost.matmul_cycles`) when the MXU term is the largest (flash attention); the mHC stream kernels
+    are bound by their bytes or by the vector unit."""
     match = _DECLARED.search(instruction.rest) if instruction.op == "custom-call" else None
     if match is None or device_kind not in CLOCK_HZ:
         return None
     flops, moved = int(match.group(1)), int(match.group(2))
+    counted = dot_flops(instruction.rest)
+    matmul = flops if counted is None else min(counted, flops)
     flops_per_second, bytes_per_second = ROOFLINE[device_kind]
-    compute, memory = flops / flops_per_second, moved / bytes_per_second
-    return math.ceil(max(compute, memory) * CLOCK_HZ[device_kind]), moved, flops > 0 and compute >= memory
+    mxu, vector = matmul / flops_per_second, (flops - matmul) / VECTOR_RATE[device_kind]
+    memory = moved / bytes_per_second
+    return math.ceil(max(mxu, vector, memory) * CLOCK_HZ[device_kind]), moved, matmul > 0 and mxu >= max(vector,
+                                                                                                         memory)
 
 
 def step_cost(hlo_text: str, device_kind: str | None = None) -> StepCost:
@@ -224,11 +251,12 @@ def compiled_step_cost(compiled: Any, device_kind: str) -> tuple[StepCost | None
 class StepEstimate:
     """The figures of one step's estimate on ``chips`` chips (per chip where it says so)."""
 
-    seconds: float                      # estimated step time
+    seconds: float                      # estimated step time, kernels at their roofline (the band's low end)
     tokens_per_second_per_chip: float
     mfu: float | None                   # model FLOPs over the peak (None: the device kind has no peak)
     peak_flops: float | None
     clock_hz: float
+    slow_seconds: float                 # kernels at KERNEL_SLOW of their roofline (the band's high end)
 
 
 def step_estimate(cost: StepCost, *, device_kind: str, chips: int, tokens_per_step: int,
@@ -240,11 +268,18 @@ def step_estimate(cost: StepCost, *, device_kind: str, chips: int, tokens_per_st
     clock = CLOCK_HZ.get(device_kind)
     if clock is None or cost.cycles <= 0:
         return None
-    seconds = cost.seconds(clock)
+    seconds, slow = cost.band(clock)
     per_chip = tokens_per_step / seconds / chips
     peak = table_peak(device_kind)
     mfu = None if peak is None else per_chip * flops_per_token / peak
-    return StepEstimate(seconds, per_chip, mfu, peak, clock)
+    return StepEstimate(seconds, per_chip, mfu, peak, clock, slow)
+
+
+def band_line(figures: StepEstimate) -> str:
+    """The one line that states a step's estimate with its error: the band from :meth:`StepCost.band`."""
+    return (f"estimated step: {1e3 * figures.seconds:.3f}-{1e3 * figures.slow_seconds:.3f} ms (kernels at 100 %-"
+            f"{100 * KERNEL_SLOW:.0f} % of their declared roofline, vector work at the VPU rate; the TPU compiler's "
+            "cost model, not a measurement)")
 
 
 def estimate_lines(report: Any) -> list[str]:
@@ -261,17 +296,19 @@ def estimate_lines(report: Any) -> list[str]:
                                           "TFLOP/s per chip")
     skipped = ", ".join(f"{count:,} {kind}" for kind, count in sorted(cost.uncosted.items()))
     return [
-        f"estimated step time (the TPU compiler's cost model, not a measurement): {1e3 * figures.seconds:.2f} ms, "
+        band_line(figures),
+        f"estimated step time (the TPU compiler's cost model, not a measurement) at the band's low end: "
+        f"{1e3 * figures.seconds:.2f} ms, "
         f"{figures.tokens_per_second_per_chip:,.0f} tokens/s per chip{mfu}",
         f"estimate: {cost.cycles:.4g} cycles per step at {figures.clock_hz / 1e9:.2f} GHz ({len(cost.loops)} loops "
         f"counted by their trip counts; each body once: {cost.cycles_once:.4g}); per chip per step: HBM "
         f"{cost.hbm_bytes / 2**30:.2f} GiB, collectives {cost.collective_bytes / 2**30:.2f} GiB"
-        + (f"; Pallas kernels, costed at their declared roofline: {100 * cost.kernel_cycles / cost.cycles:.1f} % "
+        + (f"; Pallas kernels, costed at their roofline: {100 * cost.kernel_cycles / cost.cycles:.1f} % "
            "of the cycles" if cost.kernel_cycles else ""),
         f"not in the estimate (operations per step): {skipped or 'none'}",
     ]
 
 
-__all__ = ["CLOCK_HZ", "ROOFLINE", "EstimateError", "Instruction", "StepCost", "StepEstimate", "array_bytes",
-           "compiled_step_cost", "estimate_lines", "kernel_roofline", "multiplicities", "parse_hlo", "step_cost",
-           "step_estimate", "trip_count"]
+__all__ = ["CLOCK_HZ", "KERNEL_SLOW", "ROOFLINE", "VECTOR_RATE", "EstimateError", "Instruction", "StepCost",
+           "StepEstimate", "array_bytes", "band_line", "compiled_step_cost", "estimate_lines", "kernel_roofline",
+           "multiplicities", "parse_hlo", "step_cost", "step_estimate", "trip_count"]
