@@ -352,8 +352,7 @@ class LanguageModel(eqx.Module):
             ys = (stats.entropy, stats.weights, jnp.max(stats.nash_residual, axis=1), diag)
             return x, ys + ((stats.res,) if return_residual_maps else ())
 
-        scan = execution.current()  # remat, remat_group, scan_unroll: ExecutionConfig.use()
-        if c.num_layers % scan.remat_group:
+        if c.num_layers % (scan := execution.current()).remat_group:  # remat, group, unroll: ExecutionConfig.use()
             raise ValueError(f"remat_group {scan.remat_group} does not divide num_layers {c.num_layers}")
         if scan.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[scan.remat])
