@@ -65,7 +65,10 @@ def test_readme_main_command_trains_writes_its_outputs_and_reaches_the_readme_pe
     assert curve[1] - curve[100] >= 1.5, curve
     assert steps_saved(run) == [100]
     assert any(p.name.startswith("events.out.tfevents") for p in run.iterdir())
-    assert json.loads((run / "config.json").read_text())["model_config"]["d_model"] == 256
+    resolved = json.loads((run / "config.json").read_text())
+    assert resolved["model_config"]["d_model"] == 256 and "scan_unroll" not in resolved["model_config"]
+    assert resolved["execution_config"] == {"kernels": "auto", "remat": "none", "remat_group": 1, "scan_unroll": 4,
+                                            "loss_chunks": 1}  # small's defaults (nash_mhc.execution.DEFAULTS)
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("step", "loss", "ce_loss", "aux_loss", "learning_rate", "grad_norm", "tokens_per_second", "mfu",
                 "step_time_s", "nash_residual", "nash_temperature"):

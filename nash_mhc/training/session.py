@@ -15,11 +15,12 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import Mesh
 
-from nash_mhc import exported, hardware, paths
+from nash_mhc import execution, exported, hardware, paths
 from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig, NoWindows, PackedDataset, Tokenizer, open_windows
 from nash_mhc.data.windows import skipped_text
 from nash_mhc.model import describe
+from nash_mhc.ops.dispatch import kernels_setting
 from nash_mhc.sharding import MeshConfig, batch_shards, sharding_summary
 from nash_mhc.training.checkpoint import (
     Checkpointer,
@@ -293,8 +294,10 @@ def summary_lines(configs: Configs, state: TrainState, devices: list[Any], meter
 
 
 def write_resolved_config(directory: paths.Path, configs: Configs, mesh: Mesh) -> None:
-    """``config.json``: every setting of the run as resolved (the tokenizer's vocabulary included)."""
+    """``config.json``: every setting of the run as resolved (the tokenizer's vocabulary included), with the
+    execution settings in force (``ExecutionConfig.use``: how the steps run, not part of what a resume compares)."""
     resolved = {f"{name}_config": dataclasses.asdict(config) for name, config in configs._asdict().items()}
+    resolved["execution_config"] = {"kernels": kernels_setting(), **dataclasses.asdict(execution.current())}
     (directory / "config.json").write_text(json.dumps({**resolved, "mesh": dict(mesh.shape)}, indent=2,
                                                       sort_keys=True) + "\n")
 
