@@ -277,8 +277,8 @@ class LanguageModel(eqx.Module):
         (:func:`~nash_mhc.sharding.rows_to_batch`). Left to the compiler, on a mesh with data > 1 and fsdp > 1 the
         CPU's (and GPU's) partitioner moved them (and their gradient) by replicating the whole [B, T, D] activation
         on every device ("Involuntary full rematerialization"). The TPU compiler makes that move itself: there the
-        constraints only added to the estimate (`1b` plain + full on v6e-8: 626.6 → 627.6 ms at fsdp 8, 627.1 →
-        629.2 ms at data 2 x fsdp 4), so a step lowered for TPU keeps the lookup unconstrained."""
+        constraints only added to the compiler's estimate (docs/results/tpu_estimate/README.md, "Moved from
+        docstrings"), so a step lowered for TPU keeps the lookup unconstrained."""
         rows = self.embedding[tokens].astype(self.config.dtype)
         return rows_to_batch(rows) if tokens.ndim > 1 and not tpu_kernels() else rows
 

@@ -4,6 +4,7 @@ its imports, lazy function-level imports included)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from helpers import ROOT
@@ -112,3 +113,44 @@ def test_no_module_is_over_400_lines():
     """Small files, one concern each: a module over the limit is split along its seams."""
     assert not long_modules(), long_modules()
     assert long_modules(limit=100)  # the check sees the modules (some exceed 100 lines)
+
+
+_TIME_UNIT = (r"(?:ms|[µμ]s|us|ns|s per step|s/step|sec|seconds?|s|min|minutes?|h|hours?|days?"
+              r"|[GT]FLOP/s|tokens/s)")
+TIMING = re.compile(rf"(?<![\w.])\d+(?:\.\d+)?(?:\s?[-–]\s?\d+(?:\.\d+)?)?\s?{_TIME_UNIT}(?![\w/])")
+"""A number with a time or speed unit: ``216.2 ms``, ``1.25 s``, ``10-25 s``, ``2 h 10 min``, ``25 GFLOP/s``."""
+
+
+def docstrings(path: Path) -> list[tuple[int, str]]:
+    """``(line, docstring)`` of the module and of every class and function in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return [(node.body[0].lineno, doc) for node in ast.walk(tree)
+            if isinstance(node, kinds) and (doc := ast.get_docstring(node, clean=False))]
+
+
+def timings_in_docstrings(paths) -> list[str]:
+    """``file:line: excerpt`` of every timing in the docstrings of ``paths``."""
+    found = []
+    for path in paths:
+        for line, doc in docstrings(path):
+            for match in TIMING.finditer(doc):
+                excerpt = " ".join(doc[max(match.start() - 40, 0):match.end() + 20].split())
+                found.append(f"{path.relative_to(ROOT)}:{line + doc.count(chr(10), 0, match.start())}: {excerpt}")
+    return found
+
+
+def test_the_timing_pattern_finds_timings_and_only_timings():
+    timings = ["231.0 → 216.2 ms per step", "took 1.25 s", "10-25 s each", "about 2 h 10 min", "0.10 ms per layer",
+               "25 GFLOP/s", "14,687 tokens/s", "2.6 µs", "3-5 h for the study", "0.8 s per step", "49 min"]
+    others = ["eps = 1e-6", "[B, T, 4, 4]", "3 x 3 matrices", "version 0.4.35", "v6e-8", "1.83 x plain + full",
+              "8 x 2048 per chip", "float32 sums", "n = 4 streams", "16 heads", "`1b` preset", "1.5e6 cycles",
+              "20 MB", "3 modes", "2 steps", "the 5 hidden layers", "min(a, b)"]
+    assert [t for t in timings if not TIMING.search(t)] == []
+    assert [t for t in others if TIMING.search(t)] == []
+
+
+def test_no_docstring_in_the_package_carries_a_measured_time():
+    """Timings belong in docs/results/<name>/ (written by committed commands); docstrings explain."""
+    found = timings_in_docstrings(modules().values())
+    assert not found, "timings in docstrings (move them to docs/results/):\n" + "\n".join(found)

@@ -62,8 +62,8 @@ def gated_silu_tpu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """silu(gate) ⊙ up whose backward pass computes d gate = g ⊙ up ⊙ σ(gate)(1 + gate(1 − σ(gate))) and
     d up = g ⊙ silu(gate) in float32, rounds each once to its operand's dtype and writes both out
     (``optimization_barrier``). Left to autodiff, TPU XLA fused that elementwise work into each of the matmul
-    fusions consuming it (the FFN's input gradient and both weight gradients) and redid it per tile: `1b` plain +
-    full on v6e-8 with ``--remat none`` estimates 231.0 → 216.2 ms per step (docs/tpu.md)."""
+    fusions consuming it (the FFN's input gradient and both weight gradients) and redid it per tile; written out,
+    the `1b` plain + full step on v6e-8 is faster (compiler estimates, docs/results/tpu_estimate/README.md)."""
     return _gated_silu(gate, up)
 
 

@@ -18,9 +18,9 @@ class RMSNorm(eqx.Module):
 
     On TPU y is written out once (``lax.optimization_barrier``; CPU and GPU leave it to XLA, the same numbers):
     fused into the projections that read it, the TPU compiler transposed the float32 input to the layout of
-    their matmuls and kept the residual add apart from the output projection that makes x. The `1b` plain +
-    full step on v6e-8 estimates 210.6 → 208.8 ms with ``--remat none`` at 8 x 2048 per chip, 104.7 → 101.8
-    ms at 4 x 2048 (docs/tpu.md). A hyper-connection given its sublayer's norm applies it
+    their matmuls and kept the residual add apart from the output projection that makes x; written once, the
+    `1b` plain + full step on v6e-8 is faster (compiler estimates, docs/results/tpu_estimate/README.md). A
+    hyper-connection given its sublayer's norm applies it
     (:meth:`nash_mhc.layers.hyperconnection.HyperConnection.streams_major`): mhc's collapse kernel on TPU computes
     the same function (:func:`nash_mhc.ops.rms_norm.rms_norm`) where it writes u."""
 

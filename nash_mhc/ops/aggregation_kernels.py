@@ -22,7 +22,7 @@ tiles of [tokens, D-columns]; the reductions add each tile's float32 sums into t
 The first output may instead be a multi-head attention output [B, T, H, K] (the others [B, T, H K]): the kernels
 then read it, and write the combined output and its gradient, head-major ([B, H, T, K], one head's K columns per
 column tile), the layout flash attention's kernels give it. As rows it was copied there and back around every
-kernel: 9.4 ms of the `1b` Nash-MHC step's 186.1 on v6e-8 (docs/tpu.md).
+kernel (a share of the `1b` Nash-MHC step on v6e-8: docs/results/tpu_estimate/README.md, "Moved from docstrings").
 
 Each ``pallas_call`` declares its cost (:func:`kernel_costs`). The kernels run on TPU only (the aggregation layer
 dispatches with ``dispatch.platform_dependent``); ``interpret=True`` runs them in Pallas' interpreter (CPU tests).

@@ -6,7 +6,7 @@ names the platform: a CPU host's step never traces a Pallas kernel, a step for a
 or, where no mesh names a platform, of :func:`lowering_platform`'s (generation runs its steps under the platform
 where a jit of the model's arrays runs); with neither, or a platform that does not settle the choice, every branch is
 traced and the choice is made when the program is lowered. Tracing the TPU branches of the `tiny` preset's train
-step on the CPU took about 3 of its 8 s of tracing (docs/testing.md); on TPU, the branches not taken left
+step on the CPU took over a third of its tracing time (docs/testing.md); on TPU, the branches not taken left
 conditionals in the compiled step (docs/tpu.md).
 
 Differentiated as it is, ``jax.lax.platform_dependent``'s conditional keeps the residuals of every branch: JAX's

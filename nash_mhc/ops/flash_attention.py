@@ -17,7 +17,8 @@ D = rowsum(dO ∘ O) broadcast as rows ([1, block]) and no kernel transposes a s
 XLA, which fuses it into dO's producer where that is an XLA matmul (the output projection of full attention), or,
 with ``dq_makes_d=True``, by the dQ kernel from query block i's dO and O before its first key block (it reads O
 once more and writes D for the dK, dV kernel): for a dO that a Pallas kernel makes (Nash-MHC's aggregation),
-where D in XLA is a pass of its own over dO and O (1.65 ms of the `1b` step on v6e-8, docs/tpu.md).
+where D in XLA is a pass of its own over dO and O (its cost in the `1b` step on v6e-8:
+docs/results/tpu_estimate/README.md).
 
 Each kernel declares its cost (:class:`jax.experimental.pallas.CostEstimate`): the FLOPs of the matmuls it runs
 (visited block pairs only), the exponentials, and the HBM bytes its block schedule moves. Pallas re-fetches a

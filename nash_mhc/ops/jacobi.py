@@ -9,9 +9,9 @@ a float64 NumPy check of the same sweeps on 20,000 random centred Gram matrices 
 off-diagonal norm of 1.6e-16 of the trace after 5 sweeps at L = 4, 6 at L = 5, 7 at L = 6.
 
 Every operation is elementwise over the positions (the matrix is held as L x L arrays [...]): on a TPU the positions
-stay in the vector lanes. For the `3b` preset's 4 x 4 games at 8 x 4096 positions per chip, forward and backward,
-the TPU compiler estimates 0.10 ms per layer on a v6e chip, against 5.0 ms for a batched ``jnp.linalg.eigvalsh``
-(beside two custom calls it does not cost). Differentiated by a custom JVP, never through the sweeps:
+stay in the vector lanes. For the `3b` preset's 4 x 4 games the TPU compiler estimates the sweeps, forward and
+backward, at a fiftieth of a batched ``jnp.linalg.eigvalsh`` (beside two custom calls it does not cost;
+docs/results/tpu_estimate/README.md). Differentiated by a custom JVP, never through the sweeps:
 d lambda = v^T dM v for the eigenvector v of the largest diagonal entry (where the largest eigenvalue is repeated, v
 is one unit vector of its eigenspace, and v v^T a subgradient).
 """

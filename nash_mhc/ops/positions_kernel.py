@@ -7,8 +7,8 @@ takes one list of entries per array (each entry an array over some positions) an
 ``out_entries[j]`` entries each; every operation in it must be elementwise over the positions. The kernel walks
 tiles of ``rows`` x 128 positions and runs ``fn`` on each tile's entries, loops included, without touching HBM in
 between: the Nash game's Newton loop (:mod:`nash_mhc.ops.equilibrium`) run by XLA on TPU is a dozen small fusions
-per iteration, each reading and writing [B, T] arrays in HBM, about 5 ms of the `1b` step's compiler estimate
-(docs/tpu.md); here it is one kernel per call.
+per iteration, each reading and writing [B, T] arrays in HBM (its share of the `1b` step's compiler estimate:
+docs/results/tpu_estimate/README.md); here it is one kernel per call.
 
 The declared cost (:func:`elementwise_cost`) counts ``fn``'s own operations from its jaxpr: one FLOP per position
 for each elementwise primitive, one transcendental for each exp / log / sqrt-like one, loops counted at their trip

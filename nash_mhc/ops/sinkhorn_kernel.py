@@ -4,8 +4,8 @@
 
 The same function as :func:`nash_mhc.ops.sinkhorn.sinkhorn` (``num_iters`` rounds of: columns, then rows, each
 normalised to sum 1 in log space; then ``exp``). In XLA each round is a handful of separate fusions over the
-[T, n, n] array (about 160 per projection; 0.66 ms forward for one 1b sublayer's 32,768 tokens on v6e, about 8 %
-of the ``1b`` mhc + full step, compiler estimate). The kernels hold a tile of tokens on chip for all rounds:
+[T, n, n] array (about 160 per projection; its compiler estimate is in docs/results/tpu_estimate/README.md,
+"Moved from docstrings"). The kernels hold a tile of tokens on chip for all rounds:
 
   forward    reads the logits once, writes exp(z) once
   backward   reads the logits and the output's cotangent, reruns the rounds keeping every iterate in VMEM, and

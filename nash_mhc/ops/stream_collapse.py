@@ -42,10 +42,9 @@ dH_res and dH_post from the tile's dX' (never written and read back). The model'
 this way (:func:`nash_mhc.layers.hyperconnection.connect_pair`): each FFN's collapse makes its attention's update
 and, on TPU, each attention's collapse the previous layer's FFN update.
 
-In XLA the sum of squares and the projection read X in separate fusions (about 1 ms for one 1b sublayer on v6e
-against 0.33 ms for one read), and XLA's own backward of the slab form spends about 9 ms, writing float32 copies
-of the streams and summing the n stream gradients in separate passes (compiler estimates,
-docs/results/tpu_estimate/README.md). The kernels, their tiles and declared costs are in
+In XLA the sum of squares and the projection read X in separate fusions (about three reads' worth), and XLA's
+own backward of the slab form writes float32 copies of the streams and sums the n stream gradients in separate
+passes (compiler estimates, docs/results/tpu_estimate/README.md). The kernels, their tiles and declared costs are in
 :mod:`nash_mhc.ops.stream_collapse_kernels` (each ``pallas_call`` declares its cost, ``kernel_costs``), the slab
 forms' sums in :mod:`nash_mhc.ops.stream_slabs`; this module holds the function and its backward rule. The kernels
 run on TPU only (:meth:`nash_mhc.layers.hyperconnection.HyperConnection.streams_major`); ``interpret=True`` runs

@@ -22,16 +22,10 @@ The design is fixed here, before any run (the report restates it above its numbe
 Runs live in ``<out>/runs/<variant>/lr<rate>/seed<k>`` (:mod:`nash_mhc.study.child_runs`); a finished run
 (``result.json``) is never re-run and an interrupted one continues from its checkpoint when the command is rerun.
 
-Default size, measured on the shared 2-core VM (CPU, float32, other jobs running: load average 3-5): median
-seconds per step of ``tiny`` at ``--seq-len 256``, batch 8, over 40-step runs of each variant: plain+full 0.026,
-mhc+nash 0.12, summed over the 16 variants 1.25 s (under a heavier load later: plain+full 0.037, mhc+full 0.117,
-about 1.4x). A run's first training session compiles its (variant, learning rate) train step, 10-25 s (the
-other seeds at that rate hit the compile cache); a later session starts in about 4 s; an evaluation of 16-32
-batches takes 1.6-2.9 s (measured in runs of S = 800 steps at lr 3e-3: plain+full 44 s of training, mhc+full
-102 + 19 s in its two sessions, mhc+nash 123 s). The default study trains 16 x (3 + 2) = 80 runs of S = 700 steps:
-5 x 700 x 1.25 s = 73 min of steps, plus about 48 compiles x 15 s + 80 x 2 x 4 s of start-up + 240 x 2.2 s of
-evaluation = 32 min, about 1 h 45 min in all (about 2 h 15 min at the heavier load; an estimate, the VM's
-speed drifts by +-40 %).
+Default size: 16 x (3 + 2) = 80 runs of S = 700 steps of ``tiny`` at ``--seq-len 256``, batch 8, hours on the
+shared 2-core VM; mhc+nash's steps take several times plain+full's. The report records every run's wall time and the
+study's (``run_wall_s``, ``invocation_wall_s``); the pilot measurements behind the default size are in
+docs/results/cpu_throughput/README.md ("Moved from docstrings").
 """
 
 from __future__ import annotations

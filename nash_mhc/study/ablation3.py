@@ -42,7 +42,7 @@ The protocol is fixed here, before any run (the rules are :mod:`nash_mhc.study.a
 Runs live in ``<out>/runs/<variant>/lr<rate>/seed<k>`` and resume as in the v2 ablation
 (:mod:`nash_mhc.study.child_runs`); the grid is recomputed from the finished runs, so a rerun continues it.
 
-Cost on the shared 2-core VM: :data:`nash_mhc.study.ablation3_report.ESTIMATE` (3-5 h for the default study;
+Cost on the shared 2-core VM: :data:`nash_mhc.study.ablation3_report.ESTIMATE` (hours for the default study;
 the report repeats it).
 """
 

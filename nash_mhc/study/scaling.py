@@ -18,11 +18,10 @@
 Runs live in ``<out>/runs/<variant>/d<D>-L<L>-h<H>``; finished runs are skipped, interrupted ones resume from
 their checkpoints when the command is rerun.
 
-Default size, measured on the shared 2-core VM (CPU, float32, other jobs running: load average 3-4), median
-seconds per step at ``--seq-len 256``, batch 8, of 30-step runs of the five sizes: plain+full 0.015 / 0.019 /
-0.045 / 0.063 / 0.089, mhc+nash 0.086 / 0.101 / 0.169 / 0.201 / 0.276. At r = 20 the runs take 321 / 542 / 1204 /
-2555 / 4328 steps (plain+full) and 531 / 916 / 2072 / 3789 / 6543 (mhc+nash): 10 + 51 min of steps plus about
-4 min of start-up and evaluation, about 65 min in all (an estimate; this VM's speed drifts by +-40 %).
+Default size: five model sizes per variant at ``--seq-len 256``, batch 8, each trained to r = 20 tokens per
+parameter; mhc+nash's steps take several times plain+full's, so its runs dominate the cost. The report records
+every run's seconds per step and wall time (``s/step``, ``wall``); the pilot measurements behind the default size
+are in docs/results/cpu_throughput/README.md ("Moved from docstrings").
 """
 
 from __future__ import annotations

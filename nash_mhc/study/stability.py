@@ -18,8 +18,9 @@ saved to ``<out>/runs/L<depth>-lr<lr>/<residual>-seed<k>.json`` when it ends and
 short by a signal is started again from its beginning.
 
 Default size: depths 8 and 24 x 4 learning rates x 4 residual modes x 3 seeds = 96 runs of 300 steps. The
-previous published version (depths 8 and 24, 2 rates, 3 modes, 3 seeds: 36 runs) took 49 min on the shared
-2-core VM, about 80 s a run, so the default takes about 2 h 10 min (an estimate).
+previous published version had 36 runs (depths 8 and 24, 2 rates, 3 modes, 3 seeds); its cost, and the estimate
+for the default, are in docs/results/cpu_throughput/README.md ("Moved from docstrings"), and the report records
+every run's wall time.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ The files may be in a bucket (``gs://...``: listed and streamed through :mod:`na
 A ``.txt`` file is one document; JSON records and Parquet rows give their ``text_field`` (a null text is
 skipped and counted). The held-out part is keyed per document (SHA-1 of the file's relative path mixed with the record's
 index), so every file contributes to both parts. Read with the standard library (``pyarrow`` for Parquet),
-not ``datasets.load_dataset``: 0.60 s against 1.29 s and a 20 MB cache copy for a 21 MB JSON-lines corpus.
+not ``datasets.load_dataset``, which is slower and writes a cache copy of the corpus
+(docs/results/cpu_throughput/README.md, "Moved from docstrings").
 """
 
 from __future__ import annotations
