@@ -33,6 +33,7 @@ from nash_mhc.training import (
     train_step,
 )
 from nash_mhc.training import step as step_module
+from nash_mhc.training.checkpoint import config_differences, saved_model_config
 from nash_mhc.training.optim import coefficient_mask
 
 MODEL = ModelConfig.preset("tiny", d_model=64, num_heads=8, ffn_hidden=256, seq_len=16, num_layers=2)
@@ -438,6 +439,8 @@ def test_execution_settings_resolve_per_preset_and_leave_the_configs():
     assert execution.current() == execution.Execution()
     old_model = {**MODEL.to_dict(), "remat": "full", "remat_group": 2, "scan_unroll": 4}
     assert ModelConfig.from_dict(old_model) == MODEL and "remat" not in MODEL.to_dict()
+    assert ModelConfig.from_dict(saved_model_config(old_model)) == MODEL  # inference's read of a checkpoint
+    assert config_differences(old_model, MODEL) == []  # a resume's comparison
     assert TrainConfig.from_dict({**TRAIN.to_dict(), "remat": None, "loss_chunks": 8}) == TRAIN
     with pytest.raises(ValueError, match="no field 'remat_groups'"):
         ModelConfig.from_dict({**MODEL.to_dict(), "remat_groups": 2})
