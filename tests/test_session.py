@@ -134,8 +134,11 @@ def test_write_resolved_config_records_every_setting(tmp_path):
     configs = tiny_configs(tmp_path)
     session.write_resolved_config(tmp_path, configs, configs.mesh.make())
     written = json.loads((tmp_path / "config.json").read_text())
-    assert set(written) == {"model_config", "train_config", "data_config", "mesh_config", "run_config", "mesh"}
+    assert set(written) == {"model_config", "train_config", "data_config", "mesh_config", "run_config", "mesh",
+                            "execution_config"}
     assert ModelConfig.from_dict(written["model_config"]) == configs.model
+    assert written["execution_config"] == {"kernels": "auto", "remat": "none", "remat_group": 1, "scan_unroll": 1,
+                                           "loss_chunks": 1}  # outside any ExecutionConfig.use(): the defaults
 
 
 def test_prepare_measures_the_peak_before_it_opens_the_data_or_makes_the_state(tmp_path, monkeypatch):
