@@ -106,15 +106,17 @@ def by_source(text: str, device_kind: str | None) -> collections.Counter[str]:
 # (part, source files): an operation belongs to the first part one of whose files its source line is in
 PARTS = (
     ("Nash aggregation: kernels", ()),  # Pallas kernels of the aggregation files below
-    ("Nash aggregation: XLA", ("ops/aggregation.py", "ops/aggregation_kernels.py", "ops/game.py", "ops/equilibrium.py",
-                               "layers/aggregation.py")),
+    ("Nash aggregation: XLA", ("ops/aggregation.py", "kernels/tpu/aggregation_kernels.py", "ops/game.py",
+                               "ops/equilibrium.py", "layers/aggregation.py")),
     ("mHC streams", ("ops/stream_collapse", "ops/stream_slabs.py", "ops/stream_mix.py", "ops/sinkhorn",
+                     "kernels/tpu/stream_collapse_kernels.py", "kernels/tpu/sinkhorn_kernel.py",
                      "layers/hyperconnection.py")),
-    ("multiscale resampling", ("ops/multiscale.py", "ops/downsample_kernel.py", "ops/upsample_kernel.py")),
-    ("attention: flash kernels", ()),  # Pallas kernels of ops/flash_attention.py
+    ("multiscale resampling", ("ops/multiscale.py", "kernels/tpu/downsample_kernel.py",
+                               "kernels/tpu/upsample_kernel.py")),
+    ("attention: flash kernels", ()),  # Pallas kernels of kernels/tpu/flash_attention.py
     ("attention: projections", ("layers/attention.py",)),  # their matmuls; the rest is "attention: other"
-    ("attention: other", ("ops/flash_attention.py", "ops/attention.py")),
-    ("RoPE", ("ops/rope",)),
+    ("attention: other", ("kernels/tpu/flash_attention.py", "ops/attention.py")),
+    ("RoPE", ("ops/rope", "kernels/tpu/rope_kernel.py")),
     ("FFN", ("layers/ffn.py",)),
     ("norms", ("layers/norm.py", "ops/rms_norm.py")),
     ("train step: loss, clipping, update", ("training/step.py",)),

@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_attention_check.py
 
-1. :func:`nash_mhc.layers.attention.attend` lowers to cuDNN's fused attention (a ``__cudnn$fmha`` custom call in
+1. :func:`nash_mhc.ops.attention.attend` lowers to cuDNN's fused attention (a ``__cudnn$fmha`` custom call in
    the compiled module) for bfloat16 operands, at the fine and coarse lengths of ``base`` (T = 1024, 256, 64);
 2. its output and gradients against the float32 XLA path (:func:`nash_mhc.ops.attention.causal_attention` of the
    same bfloat16 values cast to float32; a cotangent bfloat16 holds exactly), beside the bfloat16 XLA path's own
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nash_mhc import LanguageModel, ModelConfig
-from nash_mhc.layers.attention import attend
+from nash_mhc.ops.attention import attend
 from nash_mhc.ops.attention import causal_attention, cuda_flash_device
 
 # Largest |error| of the cuDNN path against the float32 reference, relative to the reference's largest |value|,

@@ -1,4 +1,4 @@
-"""The Nash aggregation's Pallas kernels (nash_mhc.ops.aggregation_kernels), run in Pallas' interpreter on the CPU:
+"""The Nash aggregation's Pallas kernels (kernels.tpu.aggregation_kernels), run in Pallas' interpreter on the CPU:
 each kernel against float64 NumPy written from the equations, the outputs' gradient they compute against autodiff
 of the Gram matrix, the aggregation with the kernels against the XLA form and finite differences, the per-shard
 split under a mesh, and the declared cost against an independent walk of the grid."""
@@ -12,8 +12,7 @@ import pytest
 from helpers import declared, moved
 from jax.test_util import check_grads
 
-from nash_mhc.ops.aggregation import _pullback_coefficients, nash_aggregate
-from nash_mhc.ops.aggregation_kernels import (
+from nash_mhc.kernels.tpu.aggregation_kernels import (
     gram_pullback,
     gram_sums,
     kernel_costs,
@@ -23,6 +22,7 @@ from nash_mhc.ops.aggregation_kernels import (
     stat_columns,
     weighted_sum,
 )
+from nash_mhc.ops.aggregation import _pullback_coefficients, nash_aggregate
 from nash_mhc.ops.game import centred_gram
 from nash_mhc.sharding import make_mesh
 

@@ -1,4 +1,4 @@
-"""Multiscale downsampling's Pallas kernels (nash_mhc.ops.downsample_kernel), run in Pallas' interpreter on the CPU:
+"""Multiscale downsampling's Pallas kernels (kernels.tpu.downsample_kernel), run in Pallas' interpreter on the CPU:
 forward and both gradients against float64 NumPy written from the equations, the kernels against the XLA form of
 ``ops.multiscale.downsample``, the per-shard split under a mesh, the TPU dispatch and the declared cost against an
 independent walk of the grid."""
@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from helpers import declared, moved
 
-from nash_mhc.ops.dispatch import lowering_platform
-from nash_mhc.ops.downsample_kernel import (
+from nash_mhc.kernels.tpu.downsample_kernel import (
     downsample_heads_kernel,
     downsample_heads_levels_kernel,
     downsample_kernel,
@@ -20,6 +19,7 @@ from nash_mhc.ops.downsample_kernel import (
     kernel_costs,
     row_tile,
 )
+from nash_mhc.ops.dispatch import lowering_platform
 from nash_mhc.ops.multiscale import downsample, downsample_heads, downsample_heads_levels, downsample_levels
 from nash_mhc.sharding import make_mesh
 

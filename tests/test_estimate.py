@@ -238,7 +238,7 @@ def test_the_train_steps_loops_match_an_unrolled_compile_of_the_same_step():
         with unrolled_scans():
             flat = step_cost(compile_step(model, train, "v6e-8").as_text(), "TPU v6 lite")
     # seq 256 runs splash attention (forward, recomputed forward, dK/dV, dQ), costed by the declarations
-    # nash_mhc.ops.splash hands it
+    # nash_mhc.kernels.tpu.splash hands it
     assert scanned.kernel_cycles > 0 and flat.kernel_cycles > 0 and "custom-call" not in scanned.uncosted
     assert {trips for _, trips, _ in flat.loops} == {5}  # only the Nash solver's while loops stay (may stop early)
     assert {trips for _, trips, _ in scanned.loops} == {2, 5}

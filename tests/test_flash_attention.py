@@ -1,4 +1,4 @@
-"""The Pallas flash attention kernels (nash_mhc.ops.flash_attention), run in Pallas' interpreter on the CPU:
+"""The Pallas flash attention kernels (nash_mhc.kernels.tpu.flash_attention), run in Pallas' interpreter on the CPU:
 forward and gradients against float64 NumPy written from the equations, causality bit for bit, the per-shard
 split under a mesh, and the declared cost against an independent count of the block schedule. The TPU compile
 of the kernels and their roofline costing are in tests/test_estimate.py."""
@@ -12,7 +12,7 @@ import pytest
 from helpers import declared
 from jax.sharding import PartitionSpec as P
 
-from nash_mhc.ops.flash_attention import BLOCK_SIZES, flash_block, flash_causal_attention, kernel_costs
+from nash_mhc.kernels.tpu.flash_attention import BLOCK_SIZES, flash_block, flash_causal_attention, kernel_costs
 from nash_mhc.sharding import make_mesh, per_shard_attention
 
 B, T, H, K, BLOCK = 2, 384, 2, 64, 128  # three blocks: skipped, interior and diagonal block pairs
@@ -187,7 +187,7 @@ def test_cudnn_attention_only_where_it_can_run(monkeypatch):
 def test_a_gpu_backend_without_cuda_keeps_the_xla_attention(monkeypatch):
     """A "gpu" default backend that is not CUDA (ROCm; here the CPU client posing as one) never picks cuDNN, so a
     bfloat16 step still traces and lowers there (tracing the cuDNN call raises "cuDNN is not detected")."""
-    from nash_mhc.layers.attention import attend
+    from nash_mhc.ops.attention import attend
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     q = jax.random.normal(jax.random.key(0), (2, 64, 4, 16), jnp.float32).astype(jnp.bfloat16)

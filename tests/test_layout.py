@@ -75,6 +75,15 @@ def test_the_graph_sees_absolute_relative_and_lazy_imports():
     assert "nash_mhc.data.sources.arrow" in graph["nash_mhc.data.sources"]  # from package import submodule
 
 
+def test_no_layer_module_imports_the_kernels():
+    """The layers call the ops; the ops choose between their XLA form and a kernel (nash_mhc.kernels.tpu)."""
+    graph = import_graph()
+    layers = [name for name in graph if name.startswith("nash_mhc.layers")]
+    assert len(layers) >= 5 and any(t.startswith("nash_mhc.kernels.tpu") for t in graph["nash_mhc.ops.attention"])
+    reach = {name: sorted(t for t in graph[name] if t.startswith("nash_mhc.kernels")) for name in layers}
+    assert not any(reach.values()), reach
+
+
 def test_no_import_cycles_in_the_package():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)

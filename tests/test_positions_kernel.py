@@ -1,4 +1,4 @@
-"""The per-position Pallas kernel (nash_mhc.ops.positions_kernel) and the Nash solve run in it, in Pallas'
+"""The per-position Pallas kernel (nash_mhc.kernels.tpu.positions_kernel) and the Nash solve run in it, in Pallas'
 interpreter: the equilibrium against the float64 reference and the XLA loop, the declared cost against a hand count,
 the tiles."""
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import reference as ref
 
+from nash_mhc.kernels.tpu.positions_kernel import elementwise_cost, position_rows, run_positions
 from nash_mhc.ops import aggregation, equilibrium
 from nash_mhc.ops.game import centred_gram, largest_eigenvalue
-from nash_mhc.ops.positions_kernel import elementwise_cost, position_rows, run_positions
 
 ITERS = 16
 

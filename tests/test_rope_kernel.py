@@ -1,4 +1,4 @@
-"""RoPE's Pallas TPU kernel (nash_mhc.ops.rope_kernel), run in Pallas' interpreter on the CPU: forward and gradient
+"""RoPE's Pallas TPU kernel (kernels.tpu.rope_kernel), run in Pallas' interpreter on the CPU: forward and gradient
 against float64 NumPy written from the equations, bit for bit against the XLA forms (rope's slicing form and the
 one-hot-matmul form), the per-shard split under a mesh, the TPU dispatch and the declared cost against an
 independent walk of the grid."""
@@ -12,8 +12,8 @@ import pytest
 import reference as ref
 from helpers import declared, moved
 
+from nash_mhc.kernels.tpu.rope_kernel import kernel_cost, rotate_kernel, row_tile
 from nash_mhc.ops.rope import angle_tables, rope, rotate_tpu
-from nash_mhc.ops.rope_kernel import kernel_cost, rotate_kernel, row_tile
 from nash_mhc.sharding import make_mesh
 
 T, H, K, SPACING = 64, 2, 256, 3  # 4 row tiles of 16; two lane tiles per head (the roll crosses them)

@@ -1,4 +1,4 @@
-"""The Pallas Sinkhorn kernels (nash_mhc.ops.sinkhorn_kernel), run in Pallas' interpreter on the CPU: the
+"""The Pallas Sinkhorn kernels (nash_mhc.kernels.tpu.sinkhorn_kernel), run in Pallas' interpreter on the CPU: the
 projection against the float64 NumPy reference, its gradient against central differences of that reference,
 the per-shard split under a mesh, and the declared cost against an independent count."""
 
@@ -11,7 +11,7 @@ import pytest
 import reference as ref
 from helpers import declared, moved
 
-from nash_mhc.ops.sinkhorn_kernel import kernel_costs, sinkhorn_tokens, token_block
+from nash_mhc.kernels.tpu.sinkhorn_kernel import kernel_costs, sinkhorn_tokens, token_block
 from nash_mhc.sharding import make_mesh, per_shard
 
 T, N, ITERS, BLOCK = 256, 4, 20, 128

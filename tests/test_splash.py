@@ -1,4 +1,4 @@
-"""JAX's splash attention as :func:`nash_mhc.layers.attention.attend` runs it on TPU (nash_mhc.ops.splash), run in
+"""JAX's splash attention as :func:`nash_mhc.ops.attention.attend` runs it on TPU (nash_mhc.kernels.tpu.splash), run in
 Pallas' interpreter on the CPU (the ``pallas`` kernels setting takes attend's TPU branch here): forward and all
 three gradients against the XLA path, causality bit for bit, the declared cost, and the kernel in a `tiny` train
 step lowered for a TPU topology."""
@@ -12,10 +12,9 @@ import pytest
 from helpers import declared, equations, needs_libtpu
 
 from nash_mhc import ModelConfig, TrainConfig
-from nash_mhc.layers.attention import attend
-from nash_mhc.ops.attention import causal_attention
+from nash_mhc.kernels.tpu.splash import kernel_costs, splash_block, splash_causal_attention
+from nash_mhc.ops.attention import attend, causal_attention
 from nash_mhc.ops.dispatch import lowering_platform, use_kernels
-from nash_mhc.ops.splash import kernel_costs, splash_block, splash_causal_attention
 
 B, T, H, K = 2, 256, 2, 32  # two 128-blocks: a skipped block pair, an interior one and two diagonal ones
 

@@ -1,4 +1,4 @@
-"""The Pallas kernels of mHC's stream collapse (nash_mhc.ops.stream_collapse_kernels), run in Pallas' interpreter on the
+"""The Pallas kernels of mHC's stream collapse (kernels.tpu.stream_collapse_kernels), run in Pallas' interpreter on the
 CPU, composed with the stream-mix kernels into one whole hyper-connection: its value against the float64 NumPy
 reference (tests/reference.py) and its gradients against central differences of that reference, the per-shard
 split under a mesh, and the declared cost against an independent walk of the grid."""
@@ -15,9 +15,9 @@ import pytest
 import reference as ref
 from helpers import declared, equations, moved, needs_libtpu
 
+from nash_mhc.kernels.tpu.stream_collapse_kernels import ROW_TILE_BYTES, _dx_tiles, _row_tile, kernel_costs
 from nash_mhc.layers.hyperconnection import HyperConnection, _mhc_pre_weights, _pre_operand, connect_pair
 from nash_mhc.ops.stream_collapse import PreWeights, collapse_streams
-from nash_mhc.ops.stream_collapse_kernels import ROW_TILE_BYTES, _dx_tiles, _row_tile, kernel_costs
 from nash_mhc.ops.stream_mix import stream_mix
 from nash_mhc.sharding import make_mesh
 

@@ -1,4 +1,4 @@
-"""Multiscale shifted upsampling's Pallas kernels (nash_mhc.ops.upsample_kernel), run in Pallas' interpreter on the
+"""Multiscale shifted upsampling's Pallas kernels (kernels.tpu.upsample_kernel), run in Pallas' interpreter on the
 CPU: forward and gradient against float64 NumPy written from the equations, against the XLA form of
 ``ops.multiscale.upsample_shifted``, the per-shard split under a mesh, the TPU dispatch and the declared cost against
 an independent walk of the grid."""
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from helpers import declared, moved
 
-from nash_mhc.ops.downsample_kernel import row_tile
+from nash_mhc.kernels.tpu.downsample_kernel import row_tile
+from nash_mhc.kernels.tpu.upsample_kernel import kernel_costs, upsample_kernel
 from nash_mhc.ops.multiscale import upsample_shifted
-from nash_mhc.ops.upsample_kernel import kernel_costs, upsample_kernel
 from nash_mhc.sharding import make_mesh
 
 D = 256

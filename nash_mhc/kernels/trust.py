@@ -30,7 +30,7 @@ from nash_mhc.training.config import TrainConfig
 CHECKED_PLATFORMS = ("tpu",)
 # Internal, for tests only: comma-separated further platforms whose kernels are checked ("cpu": interpreted).
 CHECK_PLATFORMS_ENV = "NASH_MHC_KERNELS_CHECK_PLATFORMS"
-SOURCES = ("ops", "layers")  # the packages holding the kernels and their dispatch sites
+SOURCES = ("ops", "kernels/tpu", "layers")  # the packages holding the kernels and their dispatch sites
 
 
 class KernelsFailed(ValueError):
@@ -44,7 +44,7 @@ def checks_here() -> bool:
 
 
 def source_hash() -> str:
-    """SHA-256 of the kernels' source (every module of nash_mhc.ops and nash_mhc.layers)."""
+    """SHA-256 of the kernels' source (every module of nash_mhc.ops, nash_mhc.kernels.tpu and nash_mhc.layers)."""
     digest = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
     for path in sorted(p for package in SOURCES for p in (root / package).glob("*.py")):

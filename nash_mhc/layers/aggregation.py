@@ -92,7 +92,7 @@ class ScaleAggregation(eqx.Module):
         def aggregate(outputs: list[jax.Array], params: tuple[jax.Array, jax.Array | None, jax.Array | None]
                       ) -> Aggregated:
             prior, log_temperature, gate = params
-            if log_temperature is not None:  # TPU: the passes over the outputs in ops.aggregation_kernels
+            if log_temperature is not None:  # TPU: the passes over the outputs in kernels.tpu.aggregation_kernels
                 nash = functools.partial(nash_aggregate, num_iters=self.num_iters)
                 output, weights, residual = platform_dependent(
                     outputs, available, prior, jnp.exp(log_temperature), tpu=functools.partial(nash, kernels=True),

@@ -11,8 +11,7 @@ from jaxtyping import Array, Float, Int, jaxtyped
 from nash_mhc.config import SCALE0_PRIOR_WEIGHT
 from nash_mhc.layers.aggregation import ScaleAggregation
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
-from nash_mhc.ops.attention import causal_attention, cudnn_causal_attention, cudnn_usable
-from nash_mhc.ops.dispatch import platform_dependent
+from nash_mhc.ops.attention import attend
 from nash_mhc.ops.multiscale import (
     downsample,
     downsample_heads_levels,
@@ -21,40 +20,8 @@ from nash_mhc.ops.multiscale import (
     upsample_shifted,
 )
 from nash_mhc.ops.rope import rope
-from nash_mhc.ops.splash import splash_block, splash_causal_attention
 from nash_mhc.params import param
-from nash_mhc.sharding import constrain_batch, per_shard_attention
-
-
-def attend(q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch seq heads head_dim"],
-           v: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq heads head_dim"]:
-    """Causal attention of a batch: q, k, v [B, T, H, K] → [B, T, H, K].
-
-    Lowered for TPU, JAX's shipped splash attention kernel (:func:`nash_mhc.ops.splash.splash_causal_attention`)
-    wherever its blocks tile T (a multiple of 128: :func:`nash_mhc.ops.splash.splash_block`), for full attention
-    and for every multiscale scale (a coarse scale is plain causal attention over its T / s_l coarse tokens); for
-    an NVIDIA GPU (when JAX's default backend is one that runs it and the operands are bfloat16 / float16:
-    :func:`nash_mhc.ops.attention.cudnn_usable`), cuDNN's fused flash attention
-    (:func:`nash_mhc.ops.attention.cudnn_causal_attention`); both on each device's shard
-    (:func:`nash_mhc.sharding.per_shard_attention`), so the [T, T] scores never reach HBM. Elsewhere (CPU, a
-    float32 GPU step), and on TPU where no splash block divides T, the XLA path
-    (:func:`nash_mhc.ops.attention.causal_attention` per sequence). The choice is made for the step's
-    platform (``dispatch.platform_dependent``), so one model serves every backend, except that the cuDNN
-    branch exists only where the tracing host's default backend is such a GPU (a cuDNN call cannot be traced
-    elsewhere: a step traced on a CPU host takes the XLA path on a GPU). All paths compute the same function
-    with float32 scores and softmax; their rounding differs (block-wise online softmax; splash scales q by 1/√K
-    in q's dtype before its kernel). Our own Pallas flash kernel (:mod:`nash_mhc.ops.flash_attention`) is not
-    used here: splash covers every length it covers.
-    """
-    xla = jax.vmap(causal_attention)
-    kernels = {}
-    if splash_block(q.shape[1]) is not None:
-        kernels["tpu"] = per_shard_attention(splash_causal_attention)
-    if cudnn_usable(q):
-        kernels["cuda"] = per_shard_attention(cudnn_causal_attention)
-    if not kernels:
-        return xla(q, k, v)
-    return platform_dependent(q, k, v, default=xla, name="attention", **kernels)
+from nash_mhc.sharding import constrain_batch
 
 
 class MultiscaleAttention(eqx.Module):

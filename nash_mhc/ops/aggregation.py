@@ -22,7 +22,7 @@ the bound and the Jacobian of the best response are in docs/design.md §4 (The N
 Solver: safeguarded Newton in logit space (each step takes whichever of the Newton step and the plain best-response
 step leaves the smaller residual; L <= a few, so the L x L solves are cheap), from z = b; each position stops one
 step after its first iterate with max_l |w - BR(w)| <= the dtype's tolerance (at most ``max_iters`` steps; on TPU
-the whole loop is one Pallas kernel, :mod:`nash_mhc.ops.positions_kernel`, which runs all ``max_iters`` steps with
+the whole loop is one Pallas kernel, :mod:`kernels.tpu.positions_kernel`, which runs all ``max_iters`` steps with
 done positions frozen). Differentiated implicitly (a custom JVP: dz* = (I - J)^-1 dT, so reverse mode transposes one
 linear solve), never through the iterations. lambda_max comes from :func:`nash_mhc.ops.game.largest_eigenvalue`
 (closed form for L <= 3, Jacobi sweeps above): finite (sub)gradients everywhere, including C = 0. Both the solves
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
-from nash_mhc.ops import aggregation_kernels
+from nash_mhc.kernels.tpu import aggregation_kernels
 from nash_mhc.ops.equilibrium import solve_equilibrium
 from nash_mhc.ops.game import SCALE_FLOOR, _compute_dtype, centred_gram, combine, largest_eigenvalue
 
@@ -111,7 +111,7 @@ def nash_aggregate(
     ``custom_vjp``).
 
     ``kernels=True`` (the TPU's form): every pass over the outputs runs in the Pallas kernels of
-    :mod:`nash_mhc.ops.aggregation_kernels`: forward, the Gram matrix and scale in one read of the outputs and the
+    :mod:`kernels.tpu.aggregation_kernels`: forward, the Gram matrix and scale in one read of the outputs and the
     weighted sum in another; backward, the dots with the sum's cotangent, then every output's gradient in one pass
     (:func:`_pullback_coefficients`). ``interpret=True`` runs those kernels in Pallas' interpreter.
 

@@ -1,4 +1,5 @@
-"""Causal softmax attention on one sequence (no batch axis; vmap for batches)."""
+"""Causal softmax attention on one sequence (no batch axis; vmap for batches), and :func:`attend`, the attention
+op the layers call: a batch, on the platform's fastest form."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
+from nash_mhc.kernels.tpu.splash import splash_block, splash_causal_attention
+from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.ops.matmul import f32_einsum
+from nash_mhc.sharding import per_shard_attention
 
 
 @jaxtyped(typechecker=beartype)
@@ -125,3 +129,34 @@ def _block_causal(q: jax.Array, k: jax.Array, v: jax.Array, chunks: int) -> jax.
         mask = jnp.tril(jnp.ones((size, end), bool), k=start)  # query start+i sees keys j <= start+i
         outputs.append(_attention_core(q[:, start:end], k[:, :end], v[:, :end], mask))
     return _head_major(outputs[0] if chunks == 1 else jnp.concatenate(outputs, axis=1))
+
+
+def attend(q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch seq heads head_dim"],
+           v: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq heads head_dim"]:
+    """Causal attention of a batch: q, k, v [B, T, H, K] → [B, T, H, K].
+
+    Lowered for TPU, JAX's shipped splash attention kernel (:func:`nash_mhc.kernels.tpu.splash.splash_causal_attention`)
+    wherever its blocks tile T (a multiple of 128: :func:`nash_mhc.kernels.tpu.splash.splash_block`), for full attention
+    and for every multiscale scale (a coarse scale is plain causal attention over its T / s_l coarse tokens); for
+    an NVIDIA GPU (when JAX's default backend is one that runs it and the operands are bfloat16 / float16:
+    :func:`cudnn_usable`), cuDNN's fused flash attention
+    (:func:`cudnn_causal_attention`); both on each device's shard
+    (:func:`nash_mhc.sharding.per_shard_attention`), so the [T, T] scores never reach HBM. Elsewhere (CPU, a
+    float32 GPU step), and on TPU where no splash block divides T, the XLA path
+    (:func:`causal_attention` per sequence). The choice is made for the step's
+    platform (``dispatch.platform_dependent``), so one model serves every backend, except that the cuDNN
+    branch exists only where the tracing host's default backend is such a GPU (a cuDNN call cannot be traced
+    elsewhere: a step traced on a CPU host takes the XLA path on a GPU). All paths compute the same function
+    with float32 scores and softmax; their rounding differs (block-wise online softmax; splash scales q by 1/√K
+    in q's dtype before its kernel). Our own Pallas flash kernel (:mod:`nash_mhc.kernels.tpu.flash_attention`) is not
+    used here: splash covers every length it covers.
+    """
+    xla = jax.vmap(causal_attention)
+    kernels = {}
+    if splash_block(q.shape[1]) is not None:
+        kernels["tpu"] = per_shard_attention(splash_causal_attention)
+    if cudnn_usable(q):
+        kernels["cuda"] = per_shard_attention(cudnn_causal_attention)
+    if not kernels:
+        return xla(q, k, v)
+    return platform_dependent(q, k, v, default=xla, name="attention", **kernels)

@@ -10,8 +10,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from nash_mhc.kernels.tpu.positions_kernel import position_rows, run_positions
 from nash_mhc.ops.dispatch import platform_dependent
-from nash_mhc.ops.positions_kernel import position_rows, run_positions
 from nash_mhc.sharding import per_shard
 
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-6, jnp.dtype(jnp.float64): 1e-12}  # target max_l |w - BR(w)|
@@ -186,7 +186,7 @@ def _equilibrium_xla(gram: jax.Array, prior: jax.Array, temperature: jax.Array, 
 def _equilibrium_kernel(gram: jax.Array, prior: jax.Array, temperature: jax.Array, available: jax.Array,
                         max_iters: int, interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(w, residual, z) by :func:`_equilibrium_entries` in one Pallas kernel over the positions
-    (:func:`nash_mhc.ops.positions_kernel.run_positions`), every iteration on chip; the loop runs ``max_iters``
+    (:func:`nash_mhc.kernels.tpu.positions_kernel.run_positions`), every iteration on chip; the loop runs ``max_iters``
     steps, a done position frozen (the same values as the XLA loop's early stop). Float32 positions, in
     multiples of 1,024."""
     size = prior.shape[-1]

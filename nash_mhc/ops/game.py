@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
-from nash_mhc.ops import aggregation_kernels, jacobi
+from nash_mhc.kernels.tpu import aggregation_kernels
+from nash_mhc.ops import jacobi
 from nash_mhc.ops.equilibrium import _entries, _softmax_entries
 
 SCALE_FLOOR = 1e-30  # outputs with mean square below this count as all zero (their game is the prior's)

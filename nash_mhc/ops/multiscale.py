@@ -12,15 +12,15 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
-from nash_mhc.ops.dispatch import platform_dependent, platform_vjp, tpu_kernels
-from nash_mhc.ops.downsample_kernel import (
+from nash_mhc.kernels.tpu.downsample_kernel import (
     downsample_heads_kernel,
     downsample_heads_levels_kernel,
     downsample_kernel,
     downsample_levels_kernel,
     row_tile,
 )
-from nash_mhc.ops.upsample_kernel import upsample_kernel, upsample_row_tile
+from nash_mhc.kernels.tpu.upsample_kernel import upsample_kernel, upsample_row_tile
+from nash_mhc.ops.dispatch import platform_dependent, platform_vjp, tpu_kernels
 
 CHUNK = 128  # positions per chunk of the matmul forms (TPU): a multiple of every block size they serve
 
@@ -46,7 +46,7 @@ def downsample(x: Float[Array, "*batch seq dim"], weights: Float[Array, "block d
         x = jnp.concatenate([x, jnp.zeros((*batch, pad, dim), x.dtype)], axis=-2)
     weights = weights.astype(x.dtype)
     if row_tile(blocks * block, dim, block) is not None and block > 1:
-        tpu = downsample_kernel  # strided loads of each block's positions (ops.downsample_kernel)
+        tpu = downsample_kernel  # strided loads of each block's positions (kernels.tpu.downsample_kernel)
     elif _chunked(blocks * block, block):
         tpu = _downsample_chunked
     else:
@@ -72,7 +72,7 @@ def downsample_heads(v: Float[Array, "*batch seq heads head_dim"], weights: Floa
     """:func:`downsample` of the values v [*batch, seq, H, K] as [*batch, seq, H K], weights [s, H K].
 
     On TPU, where the head dim is a multiple of 128 and a tile fits, the kernels read v head-major
-    (:func:`nash_mhc.ops.downsample_kernel.downsample_heads_kernel`), the layout the value projection has for flash
+    (:func:`kernels.tpu.downsample_kernel.downsample_heads_kernel`), the layout the value projection has for flash
     attention; elsewhere it is :func:`downsample` of the reshaped values, the same numbers."""
     *batch, seq, heads, head_dim = v.shape
     block = weights.shape[0]
@@ -97,7 +97,7 @@ def downsample_levels(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.A
     """:func:`downsample` of x [*batch, seq, D] by each level's weights [s_l, D]: (y_l [*batch, seq / s_l, D], ...).
 
     Lowered for TPU where one row tile fits every level, a single call of the kernels
-    (:func:`nash_mhc.ops.downsample_kernel.downsample_levels_kernel`): x read once forward and backward, dx written
+    (:func:`kernels.tpu.downsample_kernel.downsample_levels_kernel`): x read once forward and backward, dx written
     once; there its dx is the levels' float32 sum rounded once, where separate calls round each level's dx to x's
     dtype before XLA adds them. Elsewhere (CPU, GPU, the platform not settled at tracing) one :func:`downsample`
     per level, the same program as before."""
@@ -110,7 +110,7 @@ def downsample_levels(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.A
 def downsample_heads_levels(v: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     """:func:`downsample_heads` of v [*batch, seq, H, K] by each level's weights [s_l, H K], as
     :func:`downsample_levels` does it: one call of the head-major kernels lowered for TPU where a tile fits
-    (:func:`nash_mhc.ops.downsample_kernel.downsample_heads_levels_kernel`), else one call per level."""
+    (:func:`nash_mhc.kernels.tpu.downsample_kernel.downsample_heads_levels_kernel`), else one call per level."""
     *_, seq, _, head_dim = v.shape
     if _levels_tile(seq, head_dim, [w.shape[0] for w in weights]):
         return downsample_heads_levels_kernel(v, tuple(w.astype(v.dtype) for w in weights))
@@ -191,7 +191,7 @@ def upsample_shifted(y: Float[Array, "*batch blocks dim"], seq_len: int, block: 
         return jnp.concatenate([jnp.zeros((*batch, block - 1, dim), y.dtype), repeated[..., :keep, :]], axis=-2)
 
     if blocks * block == seq_len and upsample_row_tile(seq_len, dim, block) is not None:
-        tpu = functools.partial(upsample_kernel, block=block)  # strided stores of the outputs (ops.upsample_kernel)
+        tpu = functools.partial(upsample_kernel, block=block)  # strided stores of the outputs (the kernel)
     elif _chunked(seq_len, block) and blocks == seq_len // block:
         tpu = functools.partial(_upsample_chunked, block=block)
     else:

@@ -1,5 +1,5 @@
 """RMSNorm as pure functions: the one definition that :class:`nash_mhc.layers.norm.RMSNorm` computes, and that
-mHC's collapse kernel (:mod:`nash_mhc.ops.stream_collapse_kernels`) applies to u where it writes u, with the backward
+mHC's collapse kernel (:mod:`kernels.tpu.stream_collapse_kernels`) applies to u where it writes u, with the backward
 pass that the collapse's custom VJP runs from the saved statistic.
 
 For x [..., D] and weight [D], in float32: inv = 1 / sqrt(mean(x²) + eps) [..., 1], x̂ = x · inv, y = x̂ · weight
@@ -37,7 +37,7 @@ def rms_norm_backward(x: jax.Array, weight: jax.Array, inv: jax.Array, dy: jax.A
 def rms_norm_backward_rows(x: jax.Array, weight: jax.Array, inv: jax.Array, dy: jax.Array
                            ) -> tuple[jax.Array, jax.Array]:
     """:func:`rms_norm_backward` of rows x [T, D] (inv [T, 1]): dweight summed over them, float32 [1, D] (the
-    form a TPU kernel computes on a tile of whole rows, ``nash_mhc.ops.stream_collapse_kernels``)."""
+    form a TPU kernel computes on a tile of whole rows, ``nash_mhc.kernels.tpu.stream_collapse_kernels``)."""
     xhat = x.astype(F32) * inv
     dyw = dy.astype(F32) * weight
     dx = inv * (dyw - xhat * jnp.mean(dyw * xhat, axis=-1, keepdims=True))

@@ -10,8 +10,8 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Float, Int, jaxtyped
 
+from nash_mhc.kernels.tpu.rope_kernel import rotate_kernel, row_tile
 from nash_mhc.ops.dispatch import platform_dependent
-from nash_mhc.ops.rope_kernel import rotate_kernel, row_tile
 
 
 @jaxtyped(typechecker=beartype)
@@ -27,7 +27,7 @@ def rope(x: Float[Array, "*batch seq heads head_dim"], *, spacing: int = 1, thet
     constants of the program (:func:`angle_tables`), so a position gets the same cosine and sine in a whole
     sequence and in decoding; products are float32; the result has the input dtype. On TPU, a whole bfloat16
     sequence [B, T, H, K] whose head dim is a multiple of 128 takes the Pallas kernel
-    :func:`nash_mhc.ops.rope_kernel.rotate_kernel`, other 16-bit inputs :func:`rotate_tpu` (the same float32
+    :func:`nash_mhc.kernels.tpu.rope_kernel.rotate_kernel`, other 16-bit inputs :func:`rotate_tpu` (the same float32
     products and sum, forward and backward).
     """
     seq, _, head_dim = x.shape[-3:]

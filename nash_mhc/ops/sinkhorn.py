@@ -10,8 +10,8 @@ from beartype import beartype
 from einops import rearrange
 from jaxtyping import Array, Float, jaxtyped
 
+from nash_mhc.kernels.tpu.sinkhorn_kernel import sinkhorn_tokens, token_block
 from nash_mhc.ops.dispatch import platform_dependent
-from nash_mhc.ops.sinkhorn_kernel import sinkhorn_tokens, token_block
 from nash_mhc.ops.sinkhorn_rounds import project, sinkhorn_round, walk_back_exp
 from nash_mhc.sharding import per_shard
 
@@ -29,7 +29,7 @@ def sinkhorn(logits: Float[Array, "*batch n n"], num_iters: int = 20) -> Float[A
     ``custom_vjp``, as the TPU kernels).
 
     Lowered for TPU, one [T, n, n] batch of matrices whose T a token tile divides runs as the Pallas kernels of
-    :func:`nash_mhc.ops.sinkhorn_kernel.sinkhorn_tokens` on each device's token shard (same function; they
+    :func:`nash_mhc.kernels.tpu.sinkhorn_kernel.sinkhorn_tokens` on each device's token shard (same function; they
     save only the logits and rerun the rounds on chip; finite logits); elsewhere (CPU, GPU) the same rounds in XLA.
     """
     if num_iters < 1:

@@ -1,5 +1,5 @@
 """The math of Sinkhorn's rounds on matrices laid out [n, n, T] (the tokens minor), shared by the XLA path
-(:mod:`nash_mhc.ops.sinkhorn`) and the Pallas TPU kernels (:mod:`nash_mhc.ops.sinkhorn_kernel`).
+(:mod:`nash_mhc.ops.sinkhorn`) and the Pallas TPU kernels (:mod:`nash_mhc.kernels.tpu.sinkhorn_kernel`).
 
     normalise(z, axis)              z - logsumexp(z) along axis (0: each column sums to 1 after exp; 1: each row)
     sinkhorn_round(z)               (c, r): c = the column step of z, r = the row step of c

@@ -45,7 +45,7 @@ and, on TPU, each attention's collapse the previous layer's FFN update.
 In XLA the sum of squares and the projection read X in separate fusions (about three reads' worth), and XLA's
 own backward of the slab form writes float32 copies of the streams and sums the n stream gradients in separate
 passes (compiler estimates, docs/results/tpu_estimate/README.md). The kernels, their tiles and declared costs are in
-:mod:`nash_mhc.ops.stream_collapse_kernels` (each ``pallas_call`` declares its cost, ``kernel_costs``), the slab
+:mod:`nash_mhc.kernels.tpu.stream_collapse_kernels` (each ``pallas_call`` declares its cost, ``kernel_costs``), the slab
 forms' sums in :mod:`nash_mhc.ops.stream_slabs`; this module holds the function and its backward rule. The kernels
 run on TPU only (:meth:`nash_mhc.layers.hyperconnection.HyperConnection.streams_major`); ``interpret=True`` runs
 them in Pallas' interpreter (CPU tests). ``kernels=False`` (the CPU's and GPU's form) computes the same
@@ -63,8 +63,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nash_mhc.kernels.tpu.stream_collapse_kernels import F32, _collapse_rows, _dh_pre, _dx, _norm_dh_pre
 from nash_mhc.ops.rms_norm import rms_inverse, rms_norm
-from nash_mhc.ops.stream_collapse_kernels import F32, _collapse_rows, _dh_pre, _dx, _norm_dh_pre
 from nash_mhc.ops.stream_mix import mix_slabs
 from nash_mhc.ops.stream_slabs import stream_stats, weighted_sum
 from nash_mhc.sharding import per_shard

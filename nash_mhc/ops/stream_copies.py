@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.kernels.tpu.tpu_tiles import LANES, SUBLANES
 from nash_mhc.ops.dispatch import pallas_call, platform_dependent
 from nash_mhc.ops.stream_mix import mix_blocks
-from nash_mhc.ops.tpu_tiles import LANES, SUBLANES
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32

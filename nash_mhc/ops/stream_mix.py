@@ -89,7 +89,7 @@ def kernel_costs(streams: int, tokens: int, dim: int, x_bytes: int, y_bytes: int
 # -------------------------------------------------------------------------------------------- kernels
 def mix_kernel(x_ref, y_ref, res_ref, post_ref, out_ref):
     """One tile of the update: out[i] = sum_j res[:, i n + j] x[j] + post[:, i] y, float32, rounded once (also the
-    first half of the collapse kernel that takes the update, :mod:`nash_mhc.ops.stream_collapse_kernels`)."""
+    first half of the collapse kernel that takes the update, :mod:`nash_mhc.kernels.tpu.stream_collapse_kernels`)."""
     n = x_ref.shape[0]
     out = mix_tile([x_ref[j].astype(F32) for j in range(n)], y_ref[...].astype(F32), res_ref[...], post_ref[...])
     for i in range(n):

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.kernels.tpu.tpu_tiles import LANES
 from nash_mhc.ops.dispatch import pallas_call
-from nash_mhc.ops.tpu_tiles import LANES
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.kernels.tpu.tpu_tiles import LANES, SUBLANES
 from nash_mhc.ops.dispatch import pallas_call
-from nash_mhc.ops.tpu_tiles import LANES, SUBLANES
 
 MAX_ROWS = 64  # rows of 128 positions per tile: 8,192 positions, a few dozen [rows, 128] float32 values in VMEM
 TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "logistic", "pow",

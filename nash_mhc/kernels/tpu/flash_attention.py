@@ -27,8 +27,8 @@ index at the last visited one, so a key block is read once per query block that 
 The TPU compiler gives a custom call no cycle estimate of its own; :mod:`nash_mhc.training.estimate` costs it
 from this declaration (at the chip's roofline).
 
-Not used by the model: :func:`nash_mhc.layers.attention.attend` runs JAX's shipped, hardware-tested splash
-attention on TPU (:mod:`nash_mhc.ops.splash`), which tiles every length these kernels tile (T a multiple of 128)
+Not used by the model: :func:`nash_mhc.ops.attention.attend` runs JAX's shipped, hardware-tested splash
+attention on TPU (:mod:`nash_mhc.kernels.tpu.splash`), which tiles every length these kernels tile (T a multiple of 128)
 and computes the same function. None of these kernels has run on a TPU. Kept only for what splash does not do:
 ``dq_makes_d`` (splash always makes D in XLA, a pass of its own over dO and O when a Pallas kernel made dO; the
 figure above is the compiler's estimate at our declared cost, not a measurement), as the tested alternative should
@@ -47,8 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.kernels.tpu.tpu_tiles import LANES
 from nash_mhc.ops.dispatch import pallas_call
-from nash_mhc.ops.tpu_tiles import LANES
 
 F32 = jnp.float32
 BLOCK_SIZES = (512, 256, 128)    # tried in this order; a block must be a multiple of the 128 lanes

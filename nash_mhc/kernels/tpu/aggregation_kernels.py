@@ -42,9 +42,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.kernels.tpu.tpu_tiles import LANES
 from nash_mhc.ops.dispatch import pallas_call
 from nash_mhc.ops.stream_mix import mix_blocks
-from nash_mhc.ops.tpu_tiles import LANES
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32

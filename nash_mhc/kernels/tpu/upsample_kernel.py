@@ -31,8 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.kernels.tpu.downsample_kernel import LANES, TILE_ROWS, row_tile
 from nash_mhc.ops.dispatch import pallas_call
-from nash_mhc.ops.downsample_kernel import LANES, TILE_ROWS, row_tile
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
@@ -41,7 +41,7 @@ SEQUENCES = ("batch", "seq", "features")  # for per_shard
 
 
 def upsample_row_tile(seq: int, dim: int, block: int) -> int | None:
-    """The fine positions per tile for up [.., seq, dim] (:func:`nash_mhc.ops.downsample_kernel.row_tile`), or None
+    """The fine positions per tile for up [.., seq, dim] (:func:`kernels.tpu.downsample_kernel.row_tile`), or None
     where the kernels do not apply: a block of 1 or of more than :data:`EDGE` + 1 (the backward kernel reads the
     next block's s - 1 positions from :data:`EDGE` rows), or no tile fits."""
     return row_tile(seq, dim, block) if 2 <= block <= EDGE + 1 else None

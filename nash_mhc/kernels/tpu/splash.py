@@ -43,17 +43,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _kernel_module
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
+from nash_mhc.kernels.tpu.flash_attention import flash_block
+from nash_mhc.kernels.tpu.flash_attention import kernel_costs as flash_costs
+from nash_mhc.kernels.tpu.tpu_tiles import LANES
 from nash_mhc.ops.dispatch import interpreting
-from nash_mhc.ops.flash_attention import flash_block
-from nash_mhc.ops.flash_attention import kernel_costs as flash_costs
-from nash_mhc.ops.tpu_tiles import LANES
 
 F32 = jnp.float32
 
 
 def splash_block(seq: int) -> int | None:
     """The block size of every splash kernel (query and key blocks equal) for ``seq`` positions; None: no kernel
-    (T not a multiple of 128). The same sizes as the flash kernel's (:func:`nash_mhc.ops.flash_attention.
+    (T not a multiple of 128). The same sizes as the flash kernel's (:func:`nash_mhc.kernels.tpu.flash_attention.
     flash_block`)."""
     return flash_block(seq)
 
@@ -63,7 +63,7 @@ def kernel_costs(batch: int, seq: int, heads: int, head_dim: int, itemsize: int,
     """The declared cost of splash's forward, dQ and dK/dV kernels for one call ({"fwd", "dq", "dkv"}).
 
     Splash runs the causal block schedule of our flash kernels (visited block pairs only, a skipped block's index
-    held at the last visited one, D made in XLA): their count (:func:`nash_mhc.ops.flash_attention.kernel_costs`),
+    held at the last visited one, D made in XLA): their count (:func:`kernels.tpu.flash_attention.kernel_costs`),
     with splash's log-sum-exp stored 128 lanes wide ([H, T, 128] float32, written by the forward and read by dQ
     once per query block and by dK/dV once per visited pair) instead of a row."""
     costs = flash_costs(batch, seq, heads, head_dim, itemsize, block)
