@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nash_mhc import LanguageModel, ModelConfig
-from nash_mhc.ops.attention import attend
-from nash_mhc.ops.attention import causal_attention, cuda_flash_device
+from nash_mhc.ops.attention import attend, causal_attention, cuda_flash_device
 
 # Largest |error| of the cuDNN path against the float32 reference, relative to the reference's largest |value|,
 # allowed at most this multiple of the bfloat16 XLA path's own (both round q k^T operands and p to bfloat16).
