@@ -148,6 +148,7 @@ def test_launcher_commands_in_the_docs_run(capsys, tmp_path, monkeypatch):
         assert "gcloud compute tpus tpu-vm" in output
 
 
+@pytest.mark.slow  # subprocesses that start JAX: seconds, and no invariant of the model
 def test_hardware_command_runs(tmp_path):
     for command, _, _ in commands_of("nash_mhc.hardware"):
         process = shell(command, tmp_path, JAX_PLATFORMS="cpu")

@@ -90,8 +90,8 @@ def compiled_counts(config: ModelConfig) -> tuple[float, float]:
 CASES = [
     ("plain", "full", "nash", {}),
     ("plain", "multiscale", "convex", {}),
-    pytest.param("mhc", "full", "nash", {}, marks=pytest.mark.xfail(
-        strict=True, reason="Sinkhorn: XLA counts ~125 ops per matrix entry and round, the count 30 (see report)")),
+    pytest.param("mhc", "full", "nash", {}, marks=[pytest.mark.slow, pytest.mark.xfail(  # a known gap: slow
+        strict=True, reason="Sinkhorn: XLA counts ~125 ops per matrix entry and round, the count 30 (see report)")]),
     pytest.param("mhc", "multiscale", "nash", {"nash_iters": 2}, marks=pytest.mark.slow),
 ]
 

@@ -54,6 +54,7 @@ def test_fallback_warning_names_what_was_asked_for_or_found():
     assert hardware.requested_platforms({"JAX_PLATFORMS": " TPU, cpu "}) == ["tpu", "cpu"]
 
 
+@pytest.mark.slow  # a subprocess that starts JAX: seconds, and no invariant of the model
 @needs_no_accelerator
 def test_unavailable_platform_is_a_one_line_exit_2():
     result = run("nash_mhc.hardware", JAX_PLATFORMS="tpu")

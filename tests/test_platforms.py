@@ -82,6 +82,7 @@ def test_importing_the_package_starts_no_backend_and_changes_no_setting():
     assert result.stdout.split() == ["False", "None"], result.stdout
 
 
+@pytest.mark.slow  # a subprocess that starts JAX with libtpu installed: seconds, and no invariant of the model
 @needs_libtpu
 @needs_no_accelerator
 def test_cpu_host_with_libtpu_starts_quietly():
