@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nash_mhc.cli import CompileCache, SettingsParser, fail
 from nash_mhc.config import ModelConfig
@@ -131,10 +131,9 @@ def configs(argv: list[str] | None = None, parser: SettingsParser | None = None)
             parser.build(CompileCache, given))
 
 
-def execution_config(argv: list[str] | None, parser: SettingsParser, model: ModelConfig) -> ExecutionConfig:
-    """The flags' ExecutionConfig, each one not given at the preset's value (nash_mhc.execution.DEFAULTS), checked
-    against ``model``; ValueError names the flag."""
-    given = parser.given(argv)
+def execution_config(parser: SettingsParser, given: dict[str, Any], model: ModelConfig) -> ExecutionConfig:
+    """The ExecutionConfig of the flags ``given`` (``parser.given(argv)``), each one not given at the preset's value
+    (nash_mhc.execution.DEFAULTS), checked against ``model``; ValueError names the flag."""
     execution = parser.build(ExecutionConfig, given).for_preset(parser.build(Program, given).preset)
     execution.check(model.num_layers, model.seq_len)
     return execution
@@ -167,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         run_configs, cache = configs(argv, parser)
         given = parser.given(argv)
         options, wandb_config = parser.build(CompileOnly, given), parser.build(WandbConfig, given)
-        profile, execution = parser.build(ProfileConfig, given), execution_config(argv, parser, run_configs.model)
+        profile, execution = parser.build(ProfileConfig, given), execution_config(parser, given, run_configs.model)
     except ValueError as error:
         return fail(error)
     with execution.use():  # the steps (train, eval; or the compile) are traced under --kernels, --remat, ...

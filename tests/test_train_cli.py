@@ -422,7 +422,7 @@ def test_large_presets_train_with_their_memory_settings_unless_flags_say_otherwi
     def memory(*argv: str) -> tuple[str, int, int]:
         parser = train_module.build_parser()
         configs, _ = train_module.configs(list(argv), parser)
-        execution = train_module.execution_config(list(argv), parser, configs.model)
+        execution = train_module.execution_config(parser, parser.given(list(argv)), configs.model)
         return execution.remat, execution.remat_group, execution.loss_chunks
 
     assert memory("--model", "1b") == ("full", 1, 8)

@@ -284,8 +284,8 @@ def parse_out_of_memory(message: str) -> tuple[str, int | None, int | None] | No
     return line, None, None
 
 
-def describe_model(model_config: ModelConfig, train_config: TrainConfig) -> str:
-    config, scan = model_config, execution.current()  # the step is compiled under ExecutionConfig.use()
+def describe_model(config: ModelConfig) -> str:
+    scan = execution.current()  # the step is compiled under ExecutionConfig.use()
     return (f"{num_params(config):,} parameters, d_model {config.d_model}, {config.num_layers} layers, "
             f"{config.num_streams} streams, {config.dtype}, remat {scan.remat}"
             + (f" in groups of {scan.remat_group}" if scan.remat != "none" and scan.remat_group > 1 else ""))
@@ -316,7 +316,7 @@ def check_fit(model_config: ModelConfig, train_config: TrainConfig, *, topology:
     common = dict(target=target, device_kind=devices[0].device_kind, num_devices=len(devices),
                   mesh_shape=tuple(mesh.shape.values()), batch_size=train_config.batch_size,
                   seq_len=model_config.seq_len, grad_accum_steps=train_config.grad_accum_steps,
-                  preset=describe_model(model_config, train_config), state_bytes=state_bytes,
+                  preset=describe_model(model_config), state_bytes=state_bytes,
                   flops_per_token=model_config.flops_per_token())
 
     start = time.perf_counter()
