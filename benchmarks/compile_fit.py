@@ -3,7 +3,7 @@
     python benchmarks/compile_fit.py --preset 1b --topology v5e-8 --fsdp 8 --per-chip-batch 8 --remat full \
         [--dump-dir /tmp/dump] [--top 15] [--set dtype=float32 ...]
 
-Needs libtpu (``pip install -e ".[tpu]"``); no TPU. Prints :func:`nash_mhc.training.fit.report_lines`. With
+Needs libtpu (``pip install -e ".[tpu]"``); no TPU. Prints :func:`nash_mhc.tpu_compile.fit.report_lines`. With
 ``--dump-dir`` the TPU compiler also writes its buffer assignment there (``XLA_FLAGS=--xla_dump_to``), and the
 largest HBM buffers of the train step's memory-usage report are listed with the shapes they hold, which says
 what the temporaries are. A 1b compile takes 10-20 minutes on a 2-core machine.
@@ -68,7 +68,7 @@ def main() -> None:
 
     from nash_mhc import ExecutionConfig, ModelConfig, TrainConfig
     from nash_mhc.sharding import resolve_mesh_shape
-    from nash_mhc.training.fit import check_fit, report_lines, resolve_topology
+    from nash_mhc.tpu_compile.fit import check_fit, report_lines, resolve_topology
 
     overrides = {}
     for item in args.set:

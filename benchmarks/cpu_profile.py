@@ -155,8 +155,8 @@ def _merged(events: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def matmul_flops(text: str) -> dict[str, int]:
     """FLOPs of each top-level instruction of the entry computation that is a ``dot`` or calls a fused computation
     holding dots (2 x output elements x contracted size, summed over the computation's dots), read with the
-    estimate's HLO parser (:func:`nash_mhc.training.estimate.parse_hlo`)."""
-    from nash_mhc.training.estimate import parse_hlo
+    estimate's HLO parser (:func:`nash_mhc.tpu_compile.estimate.parse_hlo`)."""
+    from nash_mhc.tpu_compile.estimate import parse_hlo
 
     computations, entry = parse_hlo(text)
     types = {i.name: i.type for instructions in computations.values() for i in instructions}

@@ -5,8 +5,8 @@ operations, from an optimised HLO module that ``benchmarks/tpu_estimate.py --hlo
         [--device-kind "TPU v6 lite"] [--by-source | --by-part] [--against OTHER.hlo.gz]
 
 Each operation counts estimated_cycles x the trip counts of the loops around it (as
-:func:`nash_mhc.training.estimate.step_cost` does); a Pallas kernel counts its declared cost at the roofline of
-``--device-kind`` (:func:`nash_mhc.training.estimate.kernel_roofline`, kind "Pallas kernel"). Kind: the
+:func:`nash_mhc.tpu_compile.estimate.step_cost` does); a Pallas kernel counts its declared cost at the roofline of
+``--device-kind`` (:func:`nash_mhc.tpu_compile.estimate.kernel_roofline`, kind "Pallas kernel"). Kind: the
 operation, or for a fusion the root operation of the fused computation; "matmul" says whether the operation
 contains a convolution or dot, or for a kernel whether its FLOPs (not its bytes) set its roofline.
 ``--by-source`` adds the cycles up by the line of nash_mhc that each operation comes from (the innermost frame
@@ -23,7 +23,7 @@ import gzip
 import re
 from pathlib import Path
 
-from nash_mhc.training import estimate
+from nash_mhc.tpu_compile import estimate
 
 
 def breakdown(text: str, device_kind: str | None = None) -> list[tuple[int, int, int, str, bool, str, str]]:

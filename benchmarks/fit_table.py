@@ -8,7 +8,7 @@ whose train step fits each TPU slice, found by the real TPU compiler on this CPU
 For every (preset, slice), cheapest first, it searches the exponents of 1, 2, 4, ..., --max-batch
 sequences per chip (mesh: fsdp over every chip, data 1, tp 1; remat full in groups of --remat-group layers
 where that divides the layer count; the preset's dtype; cross-entropy over --loss-chunks slices) with
-:func:`nash_mhc.training.fit.check_fit`. The search is a bisection whose probe is, once the preset has any
+:func:`nash_mhc.tpu_compile.fit.check_fit`. The search is a bisection whose probe is, once the preset has any
 compile, the exponent predicted from those compiles (temporaries grow linearly with the per-chip batch, the
 sharded state shrinks with the chip count), so a row usually costs two compiles; a wrong prediction only
 costs more compiles, never a wrong answer: a row is settled only by a compile that fits next to one at
@@ -74,7 +74,7 @@ def compile_once(preset: str, slice_name: str, per_chip: int, loss_chunks: int, 
     import jax
 
     from nash_mhc import ExecutionConfig, ModelConfig, TrainConfig
-    from nash_mhc.training.fit import check_fit, resolve_topology
+    from nash_mhc.tpu_compile.fit import check_fit, resolve_topology
 
     chips = resolve_topology(slice_name).chips
     model = ModelConfig.preset(preset)
@@ -93,7 +93,7 @@ def compile_once(preset: str, slice_name: str, per_chip: int, loss_chunks: int, 
 
 def hbm_of_slice(slice_name: str) -> int | None:
     """One chip's HBM in bytes, from the slice's abstract devices (no compile)."""
-    from nash_mhc.training.fit import hbm_of, topology_devices
+    from nash_mhc.tpu_compile.fit import hbm_of, topology_devices
 
     return hbm_of(topology_devices(slice_name)[0])[0]
 
@@ -106,7 +106,7 @@ def predicted_exponent(results: dict[str, dict], preset: str, slice_name: str, l
     compiled, a = 0 with one), the rest of the total (state, batch, code) as this slice's own figure, else
     another slice's state scaled by its chip count over this one's (fsdp shards the state over every chip).
     """
-    from nash_mhc.training.fit import resolve_topology
+    from nash_mhc.tpu_compile.fit import resolve_topology
 
     same = [r for r in results.values() if r["preset"] == preset and r["loss_chunks"] == loss_chunks
             and r["remat_group"] == remat_group and r.get("temp_bytes")]

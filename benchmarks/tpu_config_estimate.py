@@ -9,8 +9,8 @@ Everything after ``--`` is ``python -m nash_mhc.train`` flags, parsed by the tra
 ``--compile-only`` there sizes the vocabulary from the tokenizer (byte-level by default), this script keeps the
 preset's (49,152 for ``base``, ``1b``, ``3b``), so its figures compare with the table's. Prints whether the step
 fits the slice's HBM (GiB per chip), the estimated step time as a band, tokens/s per chip and MFU (the compiler's cost
-model with Pallas kernels at their roofline and at 60 % of it, :mod:`nash_mhc.training.estimate`; an estimate, never a
-measurement) and the compile time. Needs libtpu (``pip install -e ".[tpu]"``); runs on a CPU host
+model with Pallas kernels at their roofline and at 60 % of it, :mod:`nash_mhc.tpu_compile.estimate`; an estimate,
+never a measurement) and the compile time. Needs libtpu (``pip install -e ".[tpu]"``); runs on a CPU host
 (``JAX_PLATFORMS=cpu``).
 """
 
@@ -37,7 +37,7 @@ def main() -> None:
     from tpu_estimate import estimate_configs
 
     from nash_mhc import train as train_program
-    from nash_mhc.training import estimate
+    from nash_mhc.tpu_compile import estimate
 
     configs, _ = train_program.configs(train_flags)
     report, figures, seconds = estimate_configs(configs, args.slice, args.hlo)

@@ -11,7 +11,7 @@ Each (preset, slice) runs at the fit table's batch (the largest per-chip batch t
 docs/results/tpu_fit.jsonl: remat full in groups of 4 layers, 8 loss chunks, fsdp over every chip, data 1, tp 1)
 with the same memory flags (``--remat-group`` compiles other groups; a row's group is a column of the table and its
 ratio is to plain + full at the same group), and each variant is one ``python -m nash_mhc.train --compile-only``
-configuration (built by the training program's own parser) compiled once: :mod:`nash_mhc.training.estimate` counts
+configuration (built by the training program's own parser) compiled once: :mod:`nash_mhc.tpu_compile.estimate` counts
 the loops of the compiled step by their trip counts, so no variant compiles are needed. Every compile is appended
 to the results file (JSON lines) as soon as it ends and the table between the ``tpu-estimate`` markers of the doc
 is rewritten from all results with the run's ``--label``, so an interrupted run keeps its rows and a rerun skips
@@ -33,7 +33,7 @@ from typing import Any
 
 from host import cpu_model, table_host
 
-from nash_mhc.training.estimate import KERNEL_SLOW
+from nash_mhc.tpu_compile.estimate import KERNEL_SLOW
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- tpu-estimate start -->", "<!-- tpu-estimate end -->"
@@ -83,7 +83,7 @@ def commit() -> str:
 
 def flags(preset: str, slice_name: str, variant: str, per_chip: int, remat_group: int) -> list[str]:
     """The training program's flags of one table entry (its --compile-only command, less --topology)."""
-    from nash_mhc.training.fit import resolve_topology
+    from nash_mhc.tpu_compile.fit import resolve_topology
 
     chips = resolve_topology(slice_name).chips
     return ["--model", preset, *VARIANTS[variant], *memory_flags(remat_group), "--batch-size", str(per_chip * chips),
@@ -91,11 +91,11 @@ def flags(preset: str, slice_name: str, variant: str, per_chip: int, remat_group
 
 
 def estimate_configs(configs: Any, slice_name: str, hlo_path: Path | None = None) -> tuple[Any, Any, float]:
-    """(fit report, its :class:`nash_mhc.training.estimate.StepEstimate` or None, compile seconds) of the training
+    """(fit report, its :class:`nash_mhc.tpu_compile.estimate.StepEstimate` or None, compile seconds) of the training
     program's ``configs`` (``nash_mhc.train.configs(argv)[0]``: without ``--compile-only``, which would size the
     vocabulary from the tokenizer, they keep the preset's) compiled for ``slice_name``. ``hlo_path`` keeps the
     optimised HLO module the estimate reads (gzip)."""
-    from nash_mhc.training import estimate, fit
+    from nash_mhc.tpu_compile import estimate, fit
 
     original = estimate.step_cost
     if hlo_path is not None:

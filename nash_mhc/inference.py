@@ -21,9 +21,9 @@ from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig, Tokenizer, get_tokenizer
 from nash_mhc.model import LanguageModel
 from nash_mhc.sharding import MeshConfig, make_mesh, partition_specs
+from nash_mhc.tpu_compile.fit import abstract_train_state
 from nash_mhc.training.checkpoint import Checkpointer, CheckpointError, find_checkpoint, saved_model_config
 from nash_mhc.training.config import TrainConfig
-from nash_mhc.training.fit import abstract_train_state
 from nash_mhc.training.state import init_train_state
 
 __all__ = ["LoadedModel", "load_from_flags", "load_model"]

@@ -10,8 +10,8 @@ fit the devices' memory, anything else a crash.
 same flags (nothing allocated, no data read; only the tokenizer is loaded, for the vocabulary size), compiles
 the train step that training runs on the ``--mesh-*`` mesh over the local devices or over a TPU topology's
 abstract devices (needs libtpu, the ``tpu`` extra; no TPU), and prints the memory per chip
-(:mod:`nash_mhc.training.fit`) and, for a TPU, the compiler's estimated step time, tokens/s per chip and MFU
-(:mod:`nash_mhc.training.estimate`; an estimate, not a measurement).
+(:mod:`nash_mhc.tpu_compile.fit`) and, for a TPU, the compiler's estimated step time, tokens/s per chip and MFU
+(:mod:`nash_mhc.tpu_compile.estimate`; an estimate, not a measurement).
 
 ``--wandb-project NAME`` also logs the run to Weights & Biases (:mod:`nash_mhc.training.wandb_log`), and
 ``--profile-steps A:B`` writes a profiler trace of those steps (:mod:`nash_mhc.training.profiling`).
@@ -142,7 +142,7 @@ def execution_config(parser: SettingsParser, given: dict[str, Any], model: Model
 def compile_only(run_configs: Configs, options: CompileOnly) -> int:
     """``--compile-only``: print the fit report of the train step; 0 fits (or unknown memory), 4 does not."""
     from nash_mhc import hardware
-    from nash_mhc.training import fit
+    from nash_mhc.tpu_compile import fit
 
     try:
         if options.topology is not None:

@@ -61,8 +61,8 @@ def test_inference_restores_only_the_model(tmp_path, monkeypatch):
     from helpers import write_checkpoint
 
     from nash_mhc.inference import load_model
+    from nash_mhc.tpu_compile.fit import abstract_train_state
     from nash_mhc.training.checkpoint import CheckpointError
-    from nash_mhc.training.fit import abstract_train_state
 
     config, train_config = ModelConfig.preset("tiny"), TrainConfig(batch_size=8, total_steps=10, warmup_steps=1)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])

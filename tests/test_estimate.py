@@ -1,4 +1,4 @@
-"""The TPU compiler's step-time estimate (nash_mhc.training.estimate): loops counted by their trip counts, checked
+"""The TPU compiler's step-time estimate (nash_mhc.tpu_compile.estimate): loops counted by their trip counts, checked
 against fully unrolled compiles of the same programs, and the clock table checked against the compiler's own
 cycle estimates of a large matmul. Needs libtpu (skips without it); no TPU."""
 
@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from nash_mhc import ExecutionConfig, ModelConfig, TrainConfig
 from nash_mhc.sharding import make_mesh
+from nash_mhc.tpu_compile.estimate import CLOCK_HZ, EstimateError, parse_hlo, step_cost, trip_count
+from nash_mhc.tpu_compile.fit import abstract_batch, abstract_train_state, topology_devices
 from nash_mhc.training import step as step_module
-from nash_mhc.training.estimate import CLOCK_HZ, EstimateError, parse_hlo, step_cost, trip_count
-from nash_mhc.training.fit import abstract_batch, abstract_train_state, topology_devices
 from nash_mhc.training.throughput import table_peak
 
 
@@ -86,7 +86,7 @@ def test_a_pallas_kernel_is_costed_at_the_roofline_libtpu_computes_from_its_decl
     program that is one kernel is libtpu's own reading of the declaration, every FLOP at the MXU's rate: the
     estimate's must agree when every declared FLOP is a matmul's. This kernel has no matmul, so the estimate
     charges its FLOPs at the vector unit's rate (tests/test_estimate_band.py)."""
-    from nash_mhc.training import estimate
+    from nash_mhc.tpu_compile import estimate
 
     compiled = declared_kernel(one_chip(slice_name)[1], flops).compile()
     kind = compiled.input_shardings[0][0].mesh.devices.flat[0].device_kind

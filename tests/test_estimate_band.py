@@ -1,6 +1,6 @@
-"""The band of a step's estimate (nash_mhc.training.estimate): kernels at their roofline and at KERNEL_SLOW of it,
+"""The band of a step's estimate (nash_mhc.tpu_compile.estimate): kernels at their roofline and at KERNEL_SLOW of it,
 their matmul FLOPs at the MXU's rate and the rest at the vector unit's; and the matmul FLOPs read from a kernel's
-Mosaic module (nash_mhc.training.mosaic)."""
+Mosaic module (nash_mhc.tpu_compile.mosaic)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import pytest
 from helpers import needs_libtpu
 
-from nash_mhc.training import estimate
-from nash_mhc.training.estimate import CLOCK_HZ, KERNEL_SLOW, ROOFLINE, VECTOR_RATE, step_cost
+from nash_mhc.tpu_compile import estimate
+from nash_mhc.tpu_compile.estimate import CLOCK_HZ, KERNEL_SLOW, ROOFLINE, VECTOR_RATE, step_cost
 
 KIND = "TPU v6 lite"
 CLOCK = CLOCK_HZ[KIND]
@@ -96,8 +96,8 @@ def test_the_matmul_flops_of_a_kernel_are_read_from_its_mosaic_module():
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from nash_mhc.training.fit import topology_devices
-    from nash_mhc.training.mosaic import dot_flops
+    from nash_mhc.tpu_compile.fit import topology_devices
+    from nash_mhc.tpu_compile.mosaic import dot_flops
 
     def kernel(a_ref, b_ref, o_ref):
         def body(_, acc):

@@ -1,4 +1,4 @@
-"""Compile-only fit check (nash_mhc.training.fit): topology names, the abstract train state, and the real TPU
+"""Compile-only fit check (nash_mhc.tpu_compile.fit): topology names, the abstract train state, and the real TPU
 compiler on this CPU host (libtpu, no TPU) deciding whether the ``tiny`` step fits a v5e:2x2 slice.
 
 The two TPU compiles (one that fits, one that cannot) run through ``python -m nash_mhc.train --compile-only``
@@ -19,7 +19,7 @@ from helpers import ROOT, needs_libtpu
 
 from nash_mhc import ModelConfig, TrainConfig, make_mesh
 from nash_mhc import train as train_program
-from nash_mhc.training.fit import (
+from nash_mhc.tpu_compile.fit import (
     HBM_BYTES,
     TopologyError,
     abstract_batch,

@@ -24,9 +24,9 @@ import pytest
 from nash_mhc.config import ModelConfig
 from nash_mhc.ops import equilibrium
 from nash_mhc.sharding import make_mesh
+from nash_mhc.tpu_compile.fit import abstract_batch, abstract_train_state
 from nash_mhc.training import step as step_module
 from nash_mhc.training.config import TrainConfig
-from nash_mhc.training.fit import abstract_batch, abstract_train_state
 
 BATCH = 2
 

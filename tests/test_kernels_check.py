@@ -115,7 +115,7 @@ def test_check_exits_1_when_a_kernel_is_broken():
 def test_the_checks_kernels_are_the_pallas_calls_of_the_tpu_step(preset, batch):
     """The kernels the check runs for the `tiny` and `base` Nash-MHC (mhc + multiscale + nash) train steps, traced
     for v6e-8, are exactly the Pallas custom calls of that step lowered for v6e-8: no kernel escapes the check."""
-    from nash_mhc.training import fit
+    from nash_mhc.tpu_compile import fit
     from nash_mhc.training import step as train_step_module
 
     model_config, train_config = ModelConfig.preset(preset), TrainConfig(batch_size=batch, total_steps=1)

@@ -346,8 +346,8 @@ def test_each_layer_gathers_its_weights_over_fsdp_and_keeps_tp():
 def test_train_step_traces_the_model_under_its_mesh():
     """The train step's forward and backward see the mesh: its lowered program pins the FFN hidden state."""
     needs_8_devices()
+    from nash_mhc.tpu_compile.fit import abstract_batch, abstract_train_state
     from nash_mhc.training import step as step_module
-    from nash_mhc.training.fit import abstract_batch, abstract_train_state
 
     c = ModelConfig.preset("tiny", **SHARDABLE, dtype="bfloat16")
     mesh = make_mesh(1, 8, 1)
@@ -389,7 +389,7 @@ def test_the_embedding_rows_come_out_split_by_batch_without_replicating_the_acti
 def test_a_lookup_lowered_for_tpu_is_left_to_the_tpu_compiler():
     """Under a mesh of TPU chips (abstract, from libtpu) the lookup carries no constraint: the TPU compiler moves
     the rows itself, and the two steps only added to its estimate (the model's ``embed_tokens``)."""
-    from nash_mhc.training.fit import topology_devices
+    from nash_mhc.tpu_compile.fit import topology_devices
 
     config = ModelConfig.preset("tiny", **SHARDABLE, residual="plain", attention="full")
     model = LanguageModel(config, key=jax.random.key(0))

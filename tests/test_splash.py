@@ -120,7 +120,7 @@ def test_each_splash_kernel_declares_its_cost_on_tpu(seq, dtype):
     assert sorted(got, key=repr) == sorted(costs.values(), key=repr)
     assert all(c.flops > 0 and c.bytes_accessed > 0 and c.transcendentals > 0 for c in costs.values())
     # splash's xprof metadata would be printed over several lines of the compiled HLO, hiding the declaration from
-    # nash_mhc.training.estimate's line-by-line parser (tests/test_estimate.py's slow train-step test saw it)
+    # nash_mhc.tpu_compile.estimate's line-by-line parser (tests/test_estimate.py's slow train-step test saw it)
     with lowering_platform("tpu"):
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, x, x)
     assert not any(e.params["metadata"] for e in equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call")
@@ -132,8 +132,8 @@ def test_a_tiny_train_step_lowered_for_tpu_runs_splash_for_full_attention():
     """The `tiny` preset at T = 256, lowered for v5e:2x2: the forward, dQ and dK/dV custom calls carry splash's
     kernel names (scale 0 at 256 and scale 1 at 128 tile; scale 2's 64 coarse tokens keep XLA)."""
     from nash_mhc.sharding import make_mesh
+    from nash_mhc.tpu_compile.fit import abstract_batch, abstract_train_state, topology_devices
     from nash_mhc.training import step as step_module
-    from nash_mhc.training.fit import abstract_batch, abstract_train_state, topology_devices
 
     model = ModelConfig.preset("tiny", seq_len=256, d_model=128, num_heads=2)
     train = TrainConfig(batch_size=4)

@@ -225,7 +225,7 @@ def test_the_pairs_kernels_fit_the_vmem_of_v5e_and_v4_at_1b_shapes(slice_name):
     `1b` did not compile for v5e-8 or v4-32)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from nash_mhc.training.fit import topology_devices
+    from nash_mhc.tpu_compile.fit import topology_devices
 
     mesh = make_mesh(1, 1, 1, devices=topology_devices(slice_name)[:1])
     tokens, dim = 8 * 2048, 2048
@@ -340,7 +340,7 @@ def test_the_dx_kernel_that_runs_the_updates_backward_takes_token_tiles_within_i
 @needs_libtpu
 def test_chips_with_16_mib_of_vmem_take_a_quarter_of_each_tile_budget():
     """Under a mesh of TPU v4 chips (16 MiB of VMEM) every budget is a quarter; under v5e's the full one."""
-    from nash_mhc.training.fit import topology_devices
+    from nash_mhc.tpu_compile.fit import topology_devices
 
     for name, row, half, dx in (("v4-8", 32, 16, (32, 512)), ("v5e-1", 128, 64, (128, 512))):
         with jax.set_mesh(make_mesh(1, 1, 1, devices=topology_devices(name)[:1])):

@@ -44,7 +44,7 @@ def discover(model_config: ModelConfig, train_config: TrainConfig, devices: Sequ
              ) -> Discovery:
     """Trace the train step of ``model_config`` at ``train_config``'s batch on ``devices`` (default: the local
     ones; abstract TPU devices too) with the kernels on, recording its named choices."""
-    from nash_mhc.training import fit
+    from nash_mhc.tpu_compile import fit
     from nash_mhc.training import step as train_step_module
 
     devices = list(jax.devices() if devices is None else devices)

@@ -24,7 +24,7 @@ Each kernel declares its cost (:class:`jax.experimental.pallas.CostEstimate`): t
 (visited block pairs only), the exponentials, and the HBM bytes its block schedule moves. Pallas re-fetches a
 block only when its index changes from one grid step to the next, and the index maps hold a skipped block's
 index at the last visited one, so a key block is read once per query block that sees it (:func:`kernel_costs`).
-The TPU compiler gives a custom call no cycle estimate of its own; :mod:`nash_mhc.training.estimate` costs it
+The TPU compiler gives a custom call no cycle estimate of its own; :mod:`nash_mhc.tpu_compile.estimate` costs it
 from this declaration (at the chip's roofline).
 
 Not used by the model: :func:`nash_mhc.ops.attention.attend` runs JAX's shipped, hardware-tested splash

@@ -17,11 +17,11 @@ dK/dV) is :func:`splash_block`: the largest of 512, 256, 128 that divides T (a b
 128 lanes); for other lengths :func:`splash_block` is None and :func:`nash_mhc.ops.attention.attend` keeps XLA.
 
 Splash's ``pallas_call`` declares no ``CostEstimate``, which would leave it uncosted in
-:mod:`nash_mhc.training.estimate` (and free to the TPU compiler). While its kernels are traced, the module's
+:mod:`nash_mhc.tpu_compile.estimate` (and free to the TPU compiler). While its kernels are traced, the module's
 ``pl`` is replaced by :class:`_Costed`, which hands each ``pallas_call`` (told apart by splash's kernel names:
 ``splash_mha_fwd…``, ``splash_mha_dq…``, ``splash_mha_dkv…``) the declaration of :func:`kernel_costs`, and
 drops its xprof ``metadata`` (a JSON string that the compiled HLO text prints inside the instruction over several
-lines, where :func:`nash_mhc.training.estimate.parse_hlo`, line by line, lost the kernel's declaration). The
+lines, where :func:`nash_mhc.tpu_compile.estimate.parse_hlo`, line by line, lost the kernel's declaration). The
 backward kernels are traced when the VJP is transposed, outside this module's call, so the VJP is wrapped
 (:func:`_splash`): its backward pass runs splash's own pullback (saved as residuals by ``jax.vjp``) under the
 same replacement. Tracing only: this changes nothing in what the kernels compute.

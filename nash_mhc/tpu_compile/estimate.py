@@ -32,7 +32,7 @@ fusion only slices counts the slices' bytes; a fusion whose result is an in-plac
 update. Logical (unpadded) sizes.
 
 Reading the HLO text (computations, instructions, array bytes, loop trip counts, how often each computation runs)
-is :mod:`nash_mhc.training.hlo`; its names are importable from here as before.
+is :mod:`nash_mhc.tpu_compile.hlo`; its names are importable from here as before.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import math
 import re
 from typing import Any
 
-from nash_mhc.training.hlo import (
+from nash_mhc.tpu_compile.hlo import (
     EstimateError,
     Instruction,
     array_bytes,
@@ -51,7 +51,7 @@ from nash_mhc.training.hlo import (
     parse_hlo,
     trip_count,
 )
-from nash_mhc.training.mosaic import dot_flops
+from nash_mhc.tpu_compile.mosaic import dot_flops
 
 # Clock of one JAX device (a chip; a v4/v5p megacore device is both TensorCores of a chip): the bf16 peak of
 # nash_mhc.training.throughput.PEAK_FLOPS over the FLOPs per cycle of the chip's matrix units in the compiler's
@@ -163,7 +163,7 @@ def kernel_roofline(instruction: Instruction, device_kind: str | None) -> tuple[
     any other operation, a kernel without a declaration, or an unknown device kind.
 
     The rule: of the FLOPs a kernel declares, its matmuls' (``tpu.matmul`` in the Mosaic module its custom call
-    carries, counted by :func:`nash_mhc.training.mosaic.dot_flops`, at most the declared total) are MXU work, the
+    carries, counted by :func:`nash_mhc.tpu_compile.mosaic.dot_flops`, at most the declared total) are MXU work, the
     rest vector work. Its time is the roofline of three units,
     ``max(MXU FLOPs / MXU FLOP/s, vector FLOPs / VECTOR_RATE, declared bytes / HBM bytes/s)``, with libtpu's MXU
     and HBM figures (:data:`ROOFLINE`, the conversion ``cost_analysis()["optimal_seconds"]`` makes of a
@@ -283,7 +283,7 @@ def band_line(figures: StepEstimate) -> str:
 
 
 def estimate_lines(report: Any) -> list[str]:
-    """``--compile-only``'s lines for the estimate of a :class:`nash_mhc.training.fit.FitReport` (none off TPU)."""
+    """``--compile-only``'s lines for the estimate of a :class:`nash_mhc.tpu_compile.fit.FitReport` (none off TPU)."""
     if report.estimate_error is not None:
         return [f"estimated step time: unavailable ({report.estimate_error})"]
     cost = report.step_cost

@@ -1,4 +1,4 @@
-"""The optimised HLO text of a compiled program, read for :mod:`nash_mhc.training.estimate`: its computations and
+"""The optimised HLO text of a compiled program, read for :mod:`nash_mhc.tpu_compile.estimate`: its computations and
 instructions, the bytes of an array type, each ``while`` loop's trip count, and how many times each computation
 runs per step."""
 

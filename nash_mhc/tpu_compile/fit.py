@@ -17,7 +17,7 @@ megacore device per chip, as JAX sees them on the VM. Per chip: v4 32 GiB, v5e 1
 Memory per chip (``compiled.memory_analysis()``): arguments (parameters + optimizer state + the batch shard),
 temporaries, outputs not aliased to a donated argument, and the program itself. The FLOP and byte estimates
 are XLA's ``cost_analysis()``, which counts a ``lax.scan`` body once (so not a per-step total); on a TPU the
-estimated step time (:mod:`nash_mhc.training.estimate`) counts every loop by its trip count.
+estimated step time (:mod:`nash_mhc.tpu_compile.estimate`) counts every loop by its trip count.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from nash_mhc.config import ModelConfig
 from nash_mhc.hardware import captured_native_stderr, detect_accelerator, libtpu_installed, tpu_chips_on_pci
 from nash_mhc.model import num_params
 from nash_mhc.sharding import batch_spec, make_mesh
-from nash_mhc.training import estimate
+from nash_mhc.tpu_compile import estimate
 from nash_mhc.training import step as train_step_module
 from nash_mhc.training.config import TrainConfig
 from nash_mhc.training.state import Batch, TrainState, state_initializer

@@ -4,7 +4,7 @@ A compiled TPU program keeps each kernel's Mosaic module, serialized (MLIR bytec
 custom call's backend config. :func:`dot_flops` deserializes it and counts its ``tpu.matmul`` operations, each
 ``2 x (result elements) x (contracted length)``, times the kernel's grid (``iteration_bounds``) and the trip counts
 of the constant-bound ``scf.for`` loops around it. A matmul inside a loop without constant bounds counts once, so the
-count is a lower bound there. :mod:`nash_mhc.training.estimate` charges these FLOPs to the MXU and the rest of the
+count is a lower bound there. :mod:`nash_mhc.tpu_compile.estimate` charges these FLOPs to the MXU and the rest of the
 kernel's declared FLOPs to the vector unit.
 """
 
