@@ -108,16 +108,16 @@ PARTS = (
     ("Nash aggregation: kernels", ()),  # Pallas kernels of the aggregation files below
     ("Nash aggregation: XLA", ("ops/aggregation.py", "kernels/tpu/aggregation_kernels.py", "ops/game.py",
                                "ops/equilibrium.py", "layers/aggregation.py")),
-    ("mHC streams", ("ops/stream_collapse", "ops/stream_slabs.py", "ops/stream_mix.py", "ops/sinkhorn",
-                     "kernels/tpu/stream_collapse_kernels.py", "kernels/tpu/sinkhorn_kernel.py",
-                     "layers/hyperconnection.py")),
+    ("mHC streams", ("ops/stream_collapse", "ops/stream_slabs.py", "ops/stream_tiles.py", "ops/stream_mix.py",
+                     "ops/sinkhorn", "kernels/tpu/stream_collapse_kernels.py", "kernels/tpu/stream_mix_kernel.py",
+                     "kernels/tpu/sinkhorn_kernel.py", "layers/hyperconnection.py")),
     ("multiscale resampling", ("ops/multiscale.py", "kernels/tpu/downsample_kernel.py",
                                "kernels/tpu/upsample_kernel.py")),
     ("attention: flash kernels", ()),  # Pallas kernels of kernels/tpu/flash_attention.py
     ("attention: projections", ("layers/attention.py",)),  # their matmuls; the rest is "attention: other"
     ("attention: other", ("kernels/tpu/flash_attention.py", "ops/attention.py")),
     ("RoPE", ("ops/rope", "kernels/tpu/rope_kernel.py")),
-    ("FFN", ("layers/ffn.py",)),
+    ("FFN", ("layers/ffn.py", "ops/swiglu.py")),
     ("norms", ("layers/norm.py", "ops/rms_norm.py")),
     ("train step: loss, clipping, update", ("training/step.py",)),
 )

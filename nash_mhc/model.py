@@ -19,20 +19,15 @@ from nash_mhc import execution
 from nash_mhc.config import ModelConfig
 from nash_mhc.layers.attention import MultiscaleAttention
 from nash_mhc.layers.ffn import SwiGLU
-from nash_mhc.layers.hyperconnection import (
-    HyperConnection,
-    Update,
-    connect_pair,
-    identity_update,
-    leaves_updates,
-    mix_streams,
-)
+from nash_mhc.layers.hyperconnection import HyperConnection, Update, connect_pair, identity_update, leaves_updates
 from nash_mhc.layers.init import EMBED_STD, normal
 from nash_mhc.layers.norm import RMSNorm
 from nash_mhc.ops.dispatch import tpu_kernels
 from nash_mhc.ops.matmul import f32_einsum
 from nash_mhc.ops.multiscale import choice_mask
-from nash_mhc.ops.stream_copies import slab_sum, stream_copies, stream_sum
+from nash_mhc.ops.stream_copies import stream_copies, stream_sum
+from nash_mhc.ops.stream_mix import mix_streams
+from nash_mhc.ops.stream_slabs import slab_sum
 from nash_mhc.params import ROLES, declared_parameters, map_declared, param, stacked
 from nash_mhc.sharding import constrain_batch, gather_fsdp, rows_to_batch
 

@@ -84,6 +84,44 @@ def test_no_layer_module_imports_the_kernels():
     assert not any(reach.values()), reach
 
 
+DISPATCH = ("platform_dependent", "platform_vjp", "tpu_kernels", "pallas_call")  # ops.dispatch's choosing functions
+
+
+def dispatch_uses(path: Path, names: tuple[str, ...] = DISPATCH) -> list[str]:
+    """``line: what`` of every use of ``names`` in ``path``'s code (an import, a name or an attribute, called or
+    passed on), of every import of Pallas, and of every function with a ``*_ref`` parameter (a kernel body)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        used = []
+        if isinstance(node, ast.ImportFrom | ast.Import):
+            module = f"{node.module}." if isinstance(node, ast.ImportFrom) else ""
+            used = [a.name for a in node.names if a.name in names]
+            used += [f"import {module}{a.name}" for a in node.names
+                     if f"{module}{a.name}".startswith("jax.experimental.pallas")]
+        elif isinstance(node, ast.Name | ast.Attribute):
+            used = [name] if (name := getattr(node, "id", getattr(node, "attr", None))) in names else []
+        elif isinstance(node, ast.FunctionDef):
+            used = [f"{node.name}({a.arg})" for a in node.args.args if a.arg.endswith("_ref")]
+        found += [f"{node.lineno}: {what}" for what in used]
+    return found
+
+
+def test_the_layers_call_ops_and_only_dispatch_calls_pallas_in_the_ops():
+    """A layer calls ops functions, never the choice between an op's forms itself (``platform_dependent`` and the
+    rest of :data:`DISPATCH`); in nash_mhc/ops only dispatch.py calls ``pallas_call`` or imports Pallas, and no
+    module there defines a kernel body: the kernels are in nash_mhc/kernels/tpu."""
+    layers = sorted((ROOT / "nash_mhc" / "layers").glob("*.py"))
+    ops = [p for p in sorted((ROOT / "nash_mhc" / "ops").glob("*.py")) if p.name != "dispatch.py"]
+    assert len(layers) >= 5 and len(ops) >= 10
+    found = {str(p.relative_to(ROOT)): uses for p in layers if (uses := dispatch_uses(p))}
+    found |= {str(p.relative_to(ROOT)): uses for p in ops if (uses := dispatch_uses(p, ("pallas_call",)))}
+    assert not found, found
+    seen = dispatch_uses(ROOT / "nash_mhc" / "ops" / "dispatch.py")  # the check sees what it looks for
+    assert {"pallas_call", "platform_dependent", "import jax.experimental.pallas"} <= {s.split(": ")[1] for s in seen}
+    kernel = dispatch_uses(ROOT / "nash_mhc" / "kernels" / "tpu" / "stream_mix_kernel.py")
+    assert any(line.endswith(": mix_kernel(x_ref)") for line in kernel), kernel
+
+
 def test_no_import_cycles_in_the_package():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)

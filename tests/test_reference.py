@@ -119,7 +119,7 @@ def test_gated_silu_tpu_form_matches_the_reference_forward_and_backward(dtype):
     CPU: silu(a) ⊙ b and its pullback against float64 NumPy of the derivatives, d/da = b σ(a)(1 + a(1 − σ(a))),
     d/db = silu(a); float32 within a few eps; bfloat16 gradients within one rounding (relative 2^-8, computed in
     float32 and rounded once), its forward (autodiff's bfloat16 silu and product) within three."""
-    from nash_mhc.layers.ffn import gated_silu_tpu
+    from nash_mhc.ops.swiglu import gated_silu_tpu
 
     a, b, g = normal(30, (7, 96), 3.0), normal(31, (7, 96)), normal(32, (7, 96))
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731

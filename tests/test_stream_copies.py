@@ -1,6 +1,7 @@
-"""The streams' copies and sum at the ends of the layer stack (nash_mhc.ops.stream_copies): the copy kernel in
-Pallas' interpreter bit for bit against NumPy, its per-shard split under a mesh, the two custom gradients against
-float64 NumPy written from the equations (a sum rounded once), and the declared cost against a walk of the grid."""
+"""The streams' copies and sum at the ends of the layer stack (nash_mhc.ops.stream_copies, its kernels in
+nash_mhc.kernels.tpu.stream_copies_kernel): the copy kernel in Pallas' interpreter bit for bit against NumPy, its
+per-shard split under a mesh, the two custom gradients against float64 NumPy written from the equations (a sum
+rounded once), and the declared cost against a walk of the grid."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 from helpers import declared, moved
 from jax.sharding import PartitionSpec as P
 
-from nash_mhc.ops import stream_copies as ops
-from nash_mhc.ops.stream_copies import copies, copies_kernel, stream_copies, stream_sum, sum_kernel, summed
+from nash_mhc.kernels.tpu import stream_copies_kernel as kernels
+from nash_mhc.kernels.tpu.stream_copies_kernel import copies_kernel, sum_kernel
+from nash_mhc.ops.stream_copies import copies, stream_copies, stream_sum, summed
 from nash_mhc.sharding import make_mesh
 
 N, B, T, D = 4, 2, 32, 384
@@ -120,7 +122,7 @@ def test_declared_costs_are_the_grids_bytes_and_additions(tokens, dim, blocks, i
     tm, td = blocks
     grid, tile = (tokens // tm, dim // td), (lambda t, d: (t, d))
     sizes = (tokens, dim, N, in_bytes, out_bytes)
-    copying, adding = ops.copies_cost(*sizes), ops.sum_cost(*sizes)
+    copying, adding = kernels.copies_cost(*sizes), kernels.sum_cost(*sizes)
     assert copying.flops == 0 and copying.transcendentals == 0
     assert copying.bytes_accessed == moved(grid, [(tm * td * in_bytes, tile), (N * tm * td * out_bytes, tile)])
     assert adding.flops == (N - 1) * tokens * dim and adding.transcendentals == 0

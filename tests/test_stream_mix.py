@@ -1,6 +1,7 @@
-"""The Pallas stream-mix kernels (nash_mhc.ops.stream_mix), run in Pallas' interpreter on the CPU: forward and
-gradients against float64 NumPy written from the equations, the per-shard split under a mesh, the XLA path the
-CPU runs against the same reference, and the declared cost against an independent walk of the grid."""
+"""The Pallas stream-mix kernels (nash_mhc.kernels.tpu.stream_mix_kernel, through nash_mhc.ops.stream_mix), run in
+Pallas' interpreter on the CPU: forward and gradients against float64 NumPy written from the equations, the
+per-shard split under a mesh, the XLA path the CPU runs against the same reference, and the declared cost against
+an independent walk of the grid."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 from helpers import declared, moved
 from jax.sharding import PartitionSpec as P
 
-from nash_mhc.layers.hyperconnection import mix_streams
-from nash_mhc.ops.stream_mix import SHARD_AXES, kernel_costs, mix_blocks, stream_mix
+from nash_mhc.kernels.tpu.stream_mix_kernel import kernel_costs, mix_blocks
+from nash_mhc.ops.stream_mix import SHARD_AXES, mix_streams, stream_mix
 from nash_mhc.sharding import make_mesh, per_shard
 
 N, T, D = 4, 64, 384

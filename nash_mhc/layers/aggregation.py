@@ -14,8 +14,7 @@ from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
 from nash_mhc.config import SCALE0_PRIOR_WEIGHT
-from nash_mhc.ops.aggregation import nash_aggregate
-from nash_mhc.ops.dispatch import platform_dependent
+from nash_mhc.ops.aggregation import platform_nash_aggregate
 from nash_mhc.ops.game import combine, gate_weights, normalised_entropy, prior_weights
 from nash_mhc.params import param
 
@@ -93,10 +92,8 @@ class ScaleAggregation(eqx.Module):
                       ) -> Aggregated:
             prior, log_temperature, gate = params
             if log_temperature is not None:  # TPU: the passes over the outputs in kernels.tpu.aggregation_kernels
-                nash = functools.partial(nash_aggregate, num_iters=self.num_iters)
-                output, weights, residual = platform_dependent(
-                    outputs, available, prior, jnp.exp(log_temperature), tpu=functools.partial(nash, kernels=True),
-                    default=nash, name="nash_aggregate")
+                output, weights, residual = platform_nash_aggregate(outputs, available, prior,
+                                                                    jnp.exp(log_temperature), num_iters=self.num_iters)
             else:
                 weights = (gate_weights(outputs, available, prior, gate) if gate is not None
                            else prior_weights(prior, available))

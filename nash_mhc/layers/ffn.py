@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, jaxtyped
 
 from nash_mhc.layers.init import EMBED_STD, normal, output_std
-from nash_mhc.ops.dispatch import platform_dependent
+from nash_mhc.ops.swiglu import gated_silu
 from nash_mhc.params import param
 from nash_mhc.sharding import constrain_batch
 
@@ -46,38 +46,3 @@ def _swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array)
     gate = checkpoint_name(constrain_batch(x @ w_gate), "gate")
     up = checkpoint_name(constrain_batch(x @ w_up), "up")
     return constrain_batch(gated_silu(gate, up) @ w_down)
-
-
-def gated_silu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) ⊙ up [T, F]. On TPU its backward pass writes d gate and d up once (:func:`gated_silu_tpu`)."""
-    return platform_dependent(gate, up, tpu=gated_silu_tpu, default=_gated_silu, name="gated_silu")
-
-
-def _gated_silu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate) * up
-
-
-@jax.custom_vjp
-def gated_silu_tpu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) ⊙ up whose backward pass computes d gate = g ⊙ up ⊙ σ(gate)(1 + gate(1 − σ(gate))) and
-    d up = g ⊙ silu(gate) in float32, rounds each once to its operand's dtype and writes both out
-    (``optimization_barrier``). Left to autodiff, TPU XLA fused that elementwise work into each of the matmul
-    fusions consuming it (the FFN's input gradient and both weight gradients) and redid it per tile; written out,
-    the `1b` plain + full step on v6e-8 is faster (compiler estimates, docs/results/tpu_estimate/README.md)."""
-    return _gated_silu(gate, up)
-
-
-def _gated_silu_fwd(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return _gated_silu(gate, up), (gate, up)
-
-
-def _gated_silu_bwd(residuals: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    gate, up = residuals
-    gate32, up32, g32 = (a.astype(jnp.float32) for a in (gate, up, g))
-    sigmoid = jax.nn.sigmoid(gate32)
-    d_gate = g32 * up32 * sigmoid * (1.0 + gate32 * (1.0 - sigmoid))
-    d_up = g32 * gate32 * sigmoid
-    return jax.lax.optimization_barrier((d_gate.astype(gate.dtype), d_up.astype(up.dtype)))
-
-
-gated_silu_tpu.defvjp(_gated_silu_fwd, _gated_silu_bwd)

@@ -54,13 +54,11 @@ from einops import rearrange
 from jaxtyping import Array, Float, Int, jaxtyped
 
 from nash_mhc.layers.norm import RMSNorm
-from nash_mhc.ops.dispatch import platform_dependent, tpu_kernels
 from nash_mhc.ops.sinkhorn import sinkhorn
-from nash_mhc.ops.stream_collapse import PreWeights, collapse_streams
-from nash_mhc.ops.stream_mix import SHARD_AXES, mix_blocks, stream_mix
+from nash_mhc.ops.stream_collapse import PreWeights, connection_collapse, updates_in_collapse
+from nash_mhc.ops.stream_mix import mix_streams
 from nash_mhc.ops.stream_slabs import stream_stats, weighted_sum
 from nash_mhc.params import param
-from nash_mhc.sharding import per_shard
 
 ALPHA_INIT = 0.01
 MHC_MODES = ("mhc", "mhc-lite")  # the connections whose collapse is collapse_streams (and can take an update)
@@ -205,29 +203,11 @@ class HyperConnection(eqx.Module):
         the streams are first updated, X' = H_res X + H_post (x) y, and X' is collapsed and passed through. On TPU
         the collapse kernel makes the update (``collapse_streams(update=...)``); elsewhere the update is
         :func:`mix_streams`' XLA form, then the collapse, as two separate calls."""
-        coefficients = self._coefficient_function()
         n, dim = self.num_streams, xs.shape[2]
         pre = PreWeights(_pre_operand, functools.partial(_mhc_pre_weights, n, dim, self.norm.eps))
-        gain = () if norm is None else (norm.weight,)
-        operands = (xs, *(update or ()), self._weighted_phi(), self._coefficient_params(), *gain)
-        collapse = functools.partial(_connection_collapse, coefficients, pre, None if norm is None else norm.eps,
-                                     update is not None)
-        if mix_blocks(xs.shape[1], xs.shape[2]) is None:
-            return collapse(*operands, kernels=False)
-        return platform_dependent(*operands, tpu=collapse, default=functools.partial(collapse, kernels=False),
-                                  name="collapse_streams")
-
-
-def _connection_collapse(coefficients: Callable, pre: PreWeights, eps: float | None, update: bool, xs: jax.Array,
-                         *operands: jax.Array | tuple, kernels: bool = True) -> tuple[jax.Array, ...]:
-    """:func:`collapse_streams` of the connection's operands (xs, [y, H_res, H_post,] w, params[, gain]),
-    normalising u with ``gain`` [D] and ``eps`` when a gain is given. With ``update``, the previous sublayer's
-    update of xs first: inside the collapse's kernel with ``kernels``, else by :func:`mix_streams`' XLA form."""
-    mixing, (w, params, *gain) = (operands[:3], operands[3:]) if update else ((), operands)
-    norm = {"norm_weight": gain[0], "norm_eps": eps} if gain else {}
-    if update and not kernels:
-        xs, mixing = stream_mix(xs, *mixing, kernels=False, defer=True), ()
-    return collapse_streams(coefficients, pre, xs, w, params, kernels=kernels, update=mixing or None, **norm)
+        return connection_collapse(self._coefficient_function(), pre, xs, self._weighted_phi(),
+                                   self._coefficient_params(), norm=None if norm is None else (norm.weight, norm.eps),
+                                   update=update)
 
 
 Update = tuple[jax.Array, jax.Array, jax.Array]  # (y [T, D], H_res [T, n, n], H_post [T, n]): a stream update
@@ -242,13 +222,13 @@ def identity_update(tokens: int, streams: int, dim: int, dtype: jnp.dtype) -> Up
 
 def leaves_updates(mode: str, tokens: int, dim: int) -> bool:
     """Whether a stack of :func:`connect_pair` calls on [n, tokens, dim] streams leaves each pair's last update to
-    the next pair's first collapse: for mhc / mhc-lite lowered for TPU (:func:`tpu_kernels`) with the kernels'
-    token tiles (:func:`mix_blocks`), where each update is then made inside the next collapse's kernel, whose
-    operand y has the streams' dtype as stream_mix's kernel's has: the same bits. Elsewhere each pair makes its own
-    last update: in XLA's forms a y carried across the layer scan is rounded to its dtype where one sublayer's
-    program may keep it in float32 (XLA CPU's excess precision), so the bfloat16 full forward would no longer give
-    cached decoding's numbers (which makes each update within its sublayer)."""
-    return mode in MHC_MODES and tpu_kernels() and mix_blocks(tokens, dim) is not None
+    the next pair's first collapse: for mhc / mhc-lite where the step takes the collapse kernels
+    (:func:`nash_mhc.ops.stream_collapse.updates_in_collapse`), where each update is then made inside the next
+    collapse's kernel, whose operand y has the streams' dtype as stream_mix's kernel's has: the same bits.
+    Elsewhere each pair makes its own last update: in XLA's forms a y carried across the layer scan is rounded to
+    its dtype where one sublayer's program may keep it in float32 (XLA CPU's excess precision), so the bfloat16
+    full forward would no longer give cached decoding's numbers (which makes each update within its sublayer)."""
+    return mode in MHC_MODES and updates_in_collapse(tokens, dim)
 
 
 def connect_pair(xs: Float[Array, "n seq dim"], first: tuple[HyperConnection, Sublayer, RMSNorm | None],
@@ -307,27 +287,3 @@ def _mhc_pre_weights(n: int, dim: int, eps: float, raw: jax.Array, ss: jax.Array
     kernel (per token tile)."""
     a_pre = raw[:, :n] * jax.lax.rsqrt(ss / (n * dim) + eps)
     return jax.nn.sigmoid(operand[0:1] * a_pre + operand[1:2])
-
-
-def mix_streams(xs: Float[Array, "n seq dim"], y: Float[Array, "seq dim"], h_res: Float[Array, "seq n n"],
-                h_post: Float[Array, "seq n"], *, defer: bool = False) -> Float[Array, "n seq dim"]:
-    """X <- H_res X + H_post (x) y on the streams-major state, in float32, rounded once to X's dtype.
-
-    Lowered for TPU, the Pallas kernels of :func:`nash_mhc.ops.stream_mix.stream_mix` on each device's token
-    shard (the compiler's fusions of the slab form read every input slab once per output slab); elsewhere
-    (CPU, GPU), and where no token tile divides T, the slab form in XLA with the kernels' backward rule
-    (``kernels=False``). Chosen for the step's platform
-    (``dispatch.platform_dependent``); both compute the same float32 sums in the same order. ``defer``: the backward
-    rule of :func:`nash_mhc.ops.stream_mix.stream_mix` with ``defer=True``, only for the pass-through X of the mhc
-    collapse."""
-    xla = functools.partial(stream_mix, kernels=False, defer=defer)
-    if mix_blocks(xs.shape[1], xs.shape[2]) is None:
-        return xla(xs, y, h_res, h_post)
-    shard = functools.partial(_mix_shard, defer=defer)
-    return platform_dependent(xs, y, h_res, h_post, tpu=per_shard(shard, *SHARD_AXES), default=xla,
-                              name="mix_streams")
-
-
-def _mix_shard(xs: jax.Array, y: jax.Array, h_res: jax.Array, h_post: jax.Array, defer: bool = False) -> jax.Array:
-    """One device's tokens: the kernels, or the slab form where no token tile divides the shard."""
-    return stream_mix(xs, y, h_res, h_post, kernels=mix_blocks(xs.shape[1], xs.shape[2]) is not None, defer=defer)

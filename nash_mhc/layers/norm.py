@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped
 
-from nash_mhc.ops.dispatch import platform_dependent
-from nash_mhc.ops.rms_norm import rms_norm
+from nash_mhc.ops.rms_norm import norm_barrier, rms_norm
 from nash_mhc.params import param
 
 
 class RMSNorm(eqx.Module):
     """y = x / sqrt(mean(x²) + eps) * weight over the last axis; statistics in float32, output in x's dtype.
 
-    On TPU y is written out once (``lax.optimization_barrier``; CPU and GPU leave it to XLA, the same numbers):
-    fused into the projections that read it, the TPU compiler transposed the float32 input to the layout of
-    their matmuls and kept the residual add apart from the output projection that makes x; written once, the
+    On TPU y is written out once (:func:`nash_mhc.ops.rms_norm.norm_barrier`; CPU and GPU leave it to XLA, the same
+    numbers): fused into the projections that read it, the TPU compiler transposed the float32 input to the layout
+    of their matmuls and kept the residual add apart from the output projection that makes x; written once, the
     `1b` plain + full step on v6e-8 is faster (compiler estimates, docs/results/tpu_estimate/README.md). A
     hyper-connection given its sublayer's norm applies it
     (:meth:`nash_mhc.layers.hyperconnection.HyperConnection.streams_major`): mhc's collapse kernel on TPU computes
@@ -33,5 +31,4 @@ class RMSNorm(eqx.Module):
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        y = rms_norm(x, self.weight, self.eps)
-        return platform_dependent(y, tpu=jax.lax.optimization_barrier, default=lambda y: y, name="norm_barrier")
+        return norm_barrier(rms_norm(x, self.weight, self.eps))

@@ -46,6 +46,7 @@ from beartype import beartype
 from jaxtyping import Array, Bool, Float, jaxtyped
 
 from nash_mhc.kernels.tpu import aggregation_kernels
+from nash_mhc.ops.dispatch import platform_dependent
 from nash_mhc.ops.equilibrium import solve_equilibrium
 from nash_mhc.ops.game import SCALE_FLOOR, _compute_dtype, centred_gram, combine, largest_eigenvalue
 
@@ -135,6 +136,16 @@ def nash_aggregate(
     return _nash_aggregate(tuple(outputs), available, prior, temperature, num_iters, (kernels, interpret))
 
 
+def platform_nash_aggregate(outputs: Sequence[jax.Array], available: jax.Array, prior: jax.Array,
+                            temperature: jax.Array, *, num_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`nash_aggregate` chosen for the step's platform (``dispatch.platform_dependent``, named
+    ``nash_aggregate``): its Pallas kernels (``kernels=True``) lowered for TPU, its XLA form elsewhere. What
+    :class:`nash_mhc.layers.aggregation.ScaleAggregation` calls."""
+    nash = functools.partial(nash_aggregate, num_iters=num_iters)
+    return platform_dependent(outputs, available, prior, temperature, tpu=functools.partial(nash, kernels=True),
+                              default=nash, name="nash_aggregate")
+
+
 def _gram_from_sums(sums: jax.Array, available: jax.Array, dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(raw, scale) of :func:`centred_gram` from the gram kernel's sums [..., K]
     (:func:`aggregation_kernels.gram_sums`), and whether the scale was kept (above :data:`SCALE_FLOOR`)."""
@@ -217,4 +228,4 @@ def _nash_aggregate_bwd(num_iters: int, kernels: tuple[bool, bool], saved: tuple
 _nash_aggregate.defvjp(_nash_aggregate_fwd, _nash_aggregate_bwd)
 
 
-__all__ = ["FLOOR", "nash_aggregate", "nash_weights"]
+__all__ = ["FLOOR", "nash_aggregate", "nash_weights", "platform_nash_aggregate"]

@@ -4,13 +4,15 @@ pass that the collapse's custom VJP runs from the saved statistic.
 
 For x [..., D] and weight [D], in float32: inv = 1 / sqrt(mean(x²) + eps) [..., 1], x̂ = x · inv, y = x̂ · weight
 (in x's dtype). Backward, from dy: dweight = Σ_tokens dy · x̂, dx = inv · (dy · weight − x̂ · mean(dy · weight ·
-x̂)) (in x's dtype).
+x̂)) (in x's dtype). :func:`norm_barrier` writes a norm's output once on TPU.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from nash_mhc.ops.dispatch import platform_dependent
 
 F32 = jnp.float32
 
@@ -42,3 +44,10 @@ def rms_norm_backward_rows(x: jax.Array, weight: jax.Array, inv: jax.Array, dy: 
     dyw = dy.astype(F32) * weight
     dx = inv * (dyw - xhat * jnp.mean(dyw * xhat, axis=-1, keepdims=True))
     return dx.astype(x.dtype), jnp.sum(dy.astype(F32) * xhat, axis=0, keepdims=True)
+
+
+def norm_barrier(y: jax.Array) -> jax.Array:
+    """y itself, written out once on TPU (``lax.optimization_barrier``; CPU and GPU leave it to XLA, the same
+    numbers), chosen for the step's platform (``dispatch.platform_dependent``, named ``norm_barrier``): what
+    :class:`nash_mhc.layers.norm.RMSNorm` does with its output (why: its docstring)."""
+    return platform_dependent(y, tpu=jax.lax.optimization_barrier, default=lambda y: y, name="norm_barrier")

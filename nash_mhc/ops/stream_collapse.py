@@ -35,19 +35,19 @@ back: one pass over the streams less per sublayer). The pass-through X may feed 
 
 Given the previous sublayer's update (``update`` = (y, H_res, H_post), for X the pass-through X of that
 sublayer's collapse), the collapse kernel first makes it, X' = H_res X + H_post (x) y on its tile of whole rows
-(:func:`nash_mhc.ops.stream_mix.mix_kernel`), writes X' once and collapses it from VMEM, so X' is not read back
-from HBM; the backward rule is the collapse's for X', then the update's deferred one (stream_mix's ``defer``),
-in one "dx" kernel that reads the previous X and y in X''s place, makes X' again on its tile and computes dy,
-dH_res and dH_post from the tile's dX' (never written and read back). The model's layers chain their sublayers
-this way (:func:`nash_mhc.layers.hyperconnection.connect_pair`): each FFN's collapse makes its attention's update
-and, on TPU, each attention's collapse the previous layer's FFN update.
+(:func:`nash_mhc.kernels.tpu.stream_mix_kernel.mix_kernel`), writes X' once and collapses it from VMEM, so X' is
+not read back from HBM; the backward rule is the collapse's for X', then the update's deferred one (stream_mix's
+``defer``), in one "dx" kernel that reads the previous X and y in X''s place, makes X' again on its tile and
+computes dy, dH_res and dH_post from the tile's dX' (never written and read back). The model's layers chain their
+sublayers this way (:func:`nash_mhc.layers.hyperconnection.connect_pair`): each FFN's collapse makes its attention's
+update and, on TPU, each attention's collapse the previous layer's FFN update.
 
 In XLA the sum of squares and the projection read X in separate fusions (about three reads' worth), and XLA's
 own backward of the slab form writes float32 copies of the streams and sums the n stream gradients in separate
 passes (compiler estimates, docs/results/tpu_estimate/README.md). The kernels, their tiles and declared costs are in
 :mod:`nash_mhc.kernels.tpu.stream_collapse_kernels` (each ``pallas_call`` declares its cost, ``kernel_costs``), the slab
 forms' sums in :mod:`nash_mhc.ops.stream_slabs`; this module holds the function and its backward rule. The kernels
-run on TPU only (:meth:`nash_mhc.layers.hyperconnection.HyperConnection.streams_major`); ``interpret=True`` runs
+run on TPU only (:func:`connection_collapse` chooses them for a hyper-connection); ``interpret=True`` runs
 them in Pallas' interpreter (CPU tests). ``kernels=False`` (the CPU's and GPU's form) computes the same
 functions and backward rule with each kernel's slab form in XLA, so the n stream gradients are written once,
 stacked, with the mix's cotangent added, instead of padded and summed.
@@ -63,10 +63,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nash_mhc.kernels.tpu.stream_collapse_kernels import F32, _collapse_rows, _dh_pre, _dx, _norm_dh_pre
+from nash_mhc.kernels.tpu.stream_collapse_kernels import _collapse_rows, _dh_pre, _dx, _norm_dh_pre
+from nash_mhc.kernels.tpu.stream_mix_kernel import mix_blocks
+from nash_mhc.ops.dispatch import platform_dependent, tpu_kernels
 from nash_mhc.ops.rms_norm import rms_inverse, rms_norm
-from nash_mhc.ops.stream_mix import mix_slabs
-from nash_mhc.ops.stream_slabs import stream_stats, weighted_sum
+from nash_mhc.ops.stream_mix import stream_mix
+from nash_mhc.ops.stream_slabs import mix_slabs, stream_stats, weighted_sum
+from nash_mhc.ops.stream_tiles import F32
 from nash_mhc.sharding import per_shard
 
 STREAMS, TOKENS = ("streams", "tokens", "features"), ("tokens", "features")  # logical names for per_shard
@@ -218,9 +221,9 @@ def collapse_streams(coefficients: Coefficients, pre: PreWeights, x: jax.Array, 
     ``coefficients`` must be a hashable function of those arguments only, and ``pre`` (hashable too) must compute
     its H_pre (the forward kernel's; the XLA form, ``kernels=False``, takes H_pre from ``coefficients``).
     ``blocks``: (token tile, column tile) of the backward kernels, the forward kernel taking the token tile with
-    whole rows; by default :func:`nash_mhc.ops.stream_mix.mix_blocks` of each shard's (T, D) backward and the
-    largest token tile within ``stream_collapse_kernels.ROW_TILE_BYTES`` forward, and the XLA slab forms where none
-    divides. ValueError when given tiles do not divide (T, D).
+    whole rows; by default :func:`nash_mhc.kernels.tpu.stream_mix_kernel.mix_blocks` of each shard's (T, D)
+    backward and the largest token tile within ``stream_collapse_kernels.ROW_TILE_BYTES`` forward, and the XLA
+    slab forms where none divides. ValueError when given tiles do not divide (T, D).
 
     ``update`` = (y [T, D], H_res [T, n, n], H_post [T, n]): the previous sublayer's output and coefficients, for
     ``x`` the pass-through X of that sublayer's collapse. The streams are first updated, X' = H_res X + H_post (x)
@@ -238,3 +241,43 @@ def collapse_streams(coefficients: Coefficients, pre: PreWeights, x: jax.Array, 
     y, h_res, h_post = update
     return _update_collapse(coefficients, pre, x, y, h_res.astype(F32).reshape(tokens, n * n), h_post.astype(F32),
                             w, params, norm_weight, norm_eps, blocks, interpret, kernels)
+
+
+# ------------------------------------------------------------------------------- one connection's collapse
+def connection_collapse(coefficients: Coefficients, pre: PreWeights, xs: jax.Array, w: jax.Array, params, *,
+                        norm: tuple[jax.Array, float] | None = None,
+                        update: tuple[jax.Array, jax.Array, jax.Array] | None = None
+                        ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`collapse_streams` of one hyper-connection (:mod:`nash_mhc.layers.hyperconnection`), chosen for the
+    step's platform (``dispatch.platform_dependent``, named ``collapse_streams``): lowered for TPU its Pallas
+    kernels on each device's token shard; elsewhere, and where no token tile divides T, its XLA form
+    (``kernels=False``). ``norm`` = (gain [D], eps) of the sublayer's RMSNorm, applied to u inside the collapse.
+    ``update`` = (y, H_res, H_post) of the previous sublayer: made inside the collapse's kernel on TPU, else first
+    by :func:`nash_mhc.ops.stream_mix.stream_mix`'s XLA form with ``defer=True``, then the collapse."""
+    gain = () if norm is None else (norm[0],)
+    operands = (xs, *(update or ()), w, params, *gain)
+    collapse = functools.partial(_connection_collapse, coefficients, pre, None if norm is None else norm[1],
+                                 update is not None)
+    if mix_blocks(xs.shape[1], xs.shape[2]) is None:
+        return collapse(*operands, kernels=False)
+    return platform_dependent(*operands, tpu=collapse, default=functools.partial(collapse, kernels=False),
+                              name="collapse_streams")
+
+
+def _connection_collapse(coefficients: Coefficients, pre: PreWeights, eps: float | None, update: bool, xs: jax.Array,
+                         *operands: jax.Array | tuple, kernels: bool = True) -> tuple[jax.Array, ...]:
+    """:func:`collapse_streams` of the connection's operands (xs, [y, H_res, H_post,] w, params[, gain]),
+    normalising u with ``gain`` [D] and ``eps`` when a gain is given. With ``update``, the previous sublayer's
+    update of xs first: inside the collapse's kernel with ``kernels``, else by stream_mix's XLA form."""
+    mixing, (w, params, *gain) = (operands[:3], operands[3:]) if update else ((), operands)
+    norm = {"norm_weight": gain[0], "norm_eps": eps} if gain else {}
+    if update and not kernels:
+        xs, mixing = stream_mix(xs, *mixing, kernels=False, defer=True), ()
+    return collapse_streams(coefficients, pre, xs, w, params, kernels=kernels, update=mixing or None, **norm)
+
+
+def updates_in_collapse(tokens: int, dim: int) -> bool:
+    """Whether :func:`connection_collapse` on streams [n, tokens, dim] makes a previous sublayer's update inside
+    the collapse kernel: where the step takes the TPU kernels (:func:`nash_mhc.ops.dispatch.tpu_kernels`) and the
+    kernels' token tiles (:func:`nash_mhc.kernels.tpu.stream_mix_kernel.mix_blocks`) divide the tokens."""
+    return tpu_kernels() and mix_blocks(tokens, dim) is not None

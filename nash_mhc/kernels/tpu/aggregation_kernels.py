@@ -42,9 +42,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.kernels.tpu.stream_mix_kernel import mix_blocks
 from nash_mhc.kernels.tpu.tpu_tiles import LANES
 from nash_mhc.ops.dispatch import pallas_call
-from nash_mhc.ops.stream_mix import mix_blocks
 from nash_mhc.sharding import per_shard
 
 F32 = jnp.float32
@@ -338,7 +338,7 @@ def gram_sums(outputs: Sequence[jax.Array], available: jax.Array, *, blocks: tup
     and ``available`` [..., L] (bool), on each device's positions (:func:`nash_mhc.sharding.per_shard`).
 
     ``blocks``: (token tile, column tile) of the flattened positions, default
-    :func:`nash_mhc.ops.stream_mix.mix_blocks` of each shard, and the XLA form where none divides; ValueError
+    :func:`.stream_mix_kernel.mix_blocks` of each shard, and the XLA form where none divides; ValueError
     when given tiles do not divide. The same for every function below."""
     shape = (*available.shape[:-1], stat_columns(len(outputs)))
     return _sharded(_gram_shard, outputs, [available.astype(F32)], [(shape, "small")], blocks, interpret)[0]

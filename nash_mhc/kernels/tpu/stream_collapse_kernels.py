@@ -13,21 +13,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nash_mhc.kernels.tpu.stream_mix_kernel import TOKEN_BLOCKS, mix_blocks, mix_kernel
 from nash_mhc.ops.dispatch import pallas_call, settled_device_kind
 from nash_mhc.ops.rms_norm import rms_inverse, rms_norm, rms_norm_backward, rms_norm_backward_rows
-from nash_mhc.ops.stream_mix import (
-    TOKEN_BLOCKS,
-    mix_backward,
-    mix_blocks,
-    mix_kernel,
-    mix_slabs,
-    mix_tile,
-    res_transpose,
-    update_grads_tile,
-)
-from nash_mhc.ops.stream_slabs import stream_stats, weighted_sum
+from nash_mhc.ops.stream_slabs import mix_backward_slabs, mix_slabs, stream_stats, weighted_sum
+from nash_mhc.ops.stream_tiles import F32, mix_tile, res_transpose, update_grads_tile
 
-F32 = jnp.float32
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 ROW_TILE_BYTES = 4 << 20  # the collapse kernel's token tile: at most this many bytes of float32 [n, tokens, D]
@@ -74,7 +65,7 @@ def kernel_costs(streams: int, tokens: int, dim: int, coeffs: int, x_bytes: int,
     ``update_bytes`` (the itemsize of the previous sublayer's output y, when the collapse kernel first makes that
     sublayer's stream update, ``collapse_streams(update=...)``): the collapse also reads the previous X (n slabs),
     y, H_res and H_post (float32 [T, n²], [T, n]) and writes the updated X, which it then reads from VMEM, not again
-    from HBM; per token and feature n (n + 1) multiply-adds more (:func:`nash_mhc.ops.stream_mix.kernel_costs`'
+    from HBM; per token and feature n (n + 1) multiply-adds more (:func:`.stream_mix_kernel.kernel_costs`'
     forward). Its dx kernel reads the previous X in X's place and makes the updated X again on each tile (n (n + 1)
     multiply-adds per token and feature), then the update's deferred backward from the tile's rounded dX (n (n + 2):
     dy, dH_res, dH_post); it also reads y and H_res, H_post (float32, once per column tile) and writes dy and each
@@ -361,7 +352,7 @@ def _dx(x, g, du, scalars, draw, w_t, *update, blocks, interpret, kernels=True):
         # d_raw's C = 24 columns minor at ~25 GFLOP/s, the [C, D] one 2-3 x as fast (docs/results/cpu_throughput)
         draw_t = jax.lax.optimization_barrier(draw.T)
         dw = jnp.swapaxes(jnp.stack([draw_t @ x[j].astype(F32) for j in range(n)]), 1, 2)
-        return dx, dw, *(mix_backward(*update, dx, None, interpret, True)[1:] if update else ())
+        return dx, dw, *(mix_backward_slabs(*update, dx, defer=True)[1:] if update else ())
     tm, td = blocks
     stream, slab = pl.BlockSpec((n, tm, td), lambda d, t: (0, t, d)), pl.BlockSpec((tm, td), lambda d, t: (t, d))
     dw_spec = pl.BlockSpec((n, coeffs, td), lambda d, t: (0, 0, d))
