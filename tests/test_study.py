@@ -1,6 +1,7 @@
 """``python -m nash_mhc.study``: the gain metric against a float64 reference and its n bound, the Sinkhorn probe,
-the power-law fit against scipy, the selection rule; the three studies end to end at a smoke size (a finished
-run is skipped, an interrupted run continues from its checkpoint); bad input exits 2 with one line."""
+the power-law fit against scipy; the scaling and stability studies end to end at a smoke size (a finished run is
+skipped, an interrupted run continues from its checkpoint); bad input, or the retired v2 ablation's name, exits 2
+with one line (ablation3: tests/test_study_ablation3.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import pytest
 from nash_mhc.config import ModelConfig
 from nash_mhc.study import powerlaw
 from nash_mhc.study.__main__ import main
-from nash_mhc.study.ablation import choose_learning_rate
 from nash_mhc.study.gains import composite_gains
 from nash_mhc.study.scaling_report import crossing_sentence
 
@@ -172,27 +172,12 @@ def test_crossing_point_and_what_the_report_says_about_it():
         "a", "b", fitted(8.0, 0.05, 0.0), fitted(9.0, 0.05, 0.0), parallel)
 
 
-def test_the_selection_rule_picks_the_lowest_finite_and_breaks_ties_low():
-    assert choose_learning_rate({1e-3: 2.0, 3e-3: 1.9, 1e-2: None}) == 3e-3
-    assert choose_learning_rate({1e-3: 1.9, 3e-3: 1.9, 1e-2: 2.5}) == 1e-3
-    assert choose_learning_rate({1e-3: float("nan"), 3e-3: 2.1}) == 3e-3
-    assert choose_learning_rate({1e-3: None, 3e-3: None}) is None
-
-
-# ---------------------------------------------------------------------------------------------- ablation
+# ------------------------------------------------------------------------------ shared by the smoke runs
 @pytest.fixture
 def one_device(monkeypatch):
     """The studies' child processes see one CPU device (the test process has 8 fake ones)."""
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-
-
-def ablation_argv(out: Path, cache: Path, *extra: str) -> list[str]:
-    return ["ablation", "--out-dir", str(out), "--model", "tiny", "--seq-len", "64", "--steps", "40",
-            "--batch-size", "4", "--learning-rates", "1e-3", "3e-3", "--warmup-steps", "2", "--seeds", "0", "1",
-            "--residual", "plain", "mhc", "--attention", "full", "--selection-batches", "2", "--report-batches", "2",
-            "--eval-batch-size", "4", "--log-interval", "1", "--checkpoint-interval", "16",
-            "--compile-cache-dir", str(cache), "--no-progress", *extra]
 
 
 def logged_steps(run_dir: Path) -> list[int]:
@@ -215,90 +200,7 @@ def stop_during_first_run(argv: list[str], first: Path, cwd: Path) -> str:
     return output
 
 
-@pytest.mark.slow
-def test_ablation_sweeps_selects_resumes_after_sigterm_and_skips_finished_runs(tmp_path, cache_dir, one_device,
-                                                                               capsys):
-    from nash_mhc.model import num_params
-
-    out, published = tmp_path / "study", tmp_path / "published"
-    argv = ablation_argv(out, cache_dir, "--report-dir", str(published))
-    first = out / "runs" / "plain+full" / "lr0.001" / "seed0"
-    stop_during_first_run(argv, first, tmp_path)
-    stopped_at = logged_steps(first)[-1]
-    assert 1 <= stopped_at < 40 and logged_steps(first) == list(range(1, stopped_at + 1))
-    assert f"stopping at step {stopped_at} after a signal" in (first / "train.log").read_text()
-    assert not (first / "result.json").exists() and not (out / "runs" / "mhc+full").exists()
-    assert not json.loads((published / "results.json").read_text())["complete"]
-
-    assert main(argv) == 0
-    assert "6 of 6 runs finished" in capsys.readouterr().out
-    assert logged_steps(first) == list(range(1, 41)), "the interrupted run restarted instead of resuming"
-    assert f"resuming from step {stopped_at}" in (first / "train.log").read_text()
-    results = json.loads((published / "results.json").read_text())
-    assert results["complete"] and results["runs_finished"] == 6 and results["baseline"] == "plain+full"
-    assert results["splits"] == {"selection_batches": [0, 2], "report_batches": [2, 4]}
-    configs = {v: ModelConfig.preset("tiny", seq_len=64, residual=v.split("+")[0], attention="full")
-               for v in ("plain+full", "mhc+full")}
-    s_v = int(40 * configs["plain+full"].flops_per_token() / configs["mhc+full"].flops_per_token())
-    assert 1 <= s_v < 40
-    for run in results["runs"]:
-        config = configs[run["variant"]]
-        assert run["status"] == "finished" and 0 < run["bits_per_byte"] < 12
-        assert run["params"] == num_params(config) and run["flops_per_token"] == config.flops_per_token()
-        assert run["tokens_trained"] == 40 * 4 * 64
-        selection, report = run["evaluations"]["selection"], run["evaluations"]["report"]
-        assert (selection["first_batch"], report["first_batch"], report["tokens"]) == (0, 2, 2 * 4 * 64)
-        assert selection["window_seed"] == report["window_seed"] == 0 and selection["step"] == 40
-        if run["variant"] == "mhc+full":  # two training sessions: to s_v (evaluated), then on to S
-            assert run["equal_flops_step"] == s_v and run["evaluations"]["report_flops"]["step"] == s_v
-            assert run["equal_flops_bits_per_byte"] == run["evaluations"]["report_flops"]["bits_per_byte"]
-            assert [s["program"] for s in sessions(out, run)] == ["train", "evaluate", "train", "evaluate",
-                                                                  "evaluate"]
-            assert set(run["travel"]) >= {"hc_alpha", "hc_bias", "hc_projection"}
-        else:
-            assert run["equal_flops_step"] == 40 and run["equal_flops_bits_per_byte"] == run["bits_per_byte"]
-            assert run["travel"] == {}
-    by_key = {(r["variant"], r["learning_rate"], r["seed"]): r for r in results["runs"]}
-    for variant, row in results["variants"].items():
-        sweep = {s["learning_rate"]: s["selection_bits_per_byte"] for s in row["learning_rates"]}
-        assert sorted(sweep) == [1e-3, 3e-3] and row["chosen_learning_rate"] == min(sweep, key=sweep.get)
-        assert row["seeds"] == [0, 1] and (variant, row["chosen_learning_rate"], 1) in by_key
-    base = {s: by_key[("plain+full", results["variants"]["plain+full"]["chosen_learning_rate"], s)] for s in (0, 1)}
-    mhc = results["variants"]["mhc+full"]
-    mine = [by_key[("mhc+full", mhc["chosen_learning_rate"], s)] for s in (0, 1)]
-    assert mhc["equal_tokens"]["delta"][0] == pytest.approx(np.mean(
-        [r["bits_per_byte"] - base[r["seed"]]["bits_per_byte"] for r in mine]))
-    assert mhc["equal_flops"]["delta"][0] == pytest.approx(np.mean(
-        [r["equal_flops_bits_per_byte"] - base[r["seed"]]["bits_per_byte"] for r in mine]))
-    table = (published / "results.md").read_text()
-    assert "python -m nash_mhc.study ablation" in table and "\nCode: commit " in table
-    assert table.index("Selection rule") < table.index("## Results") < table.index("| mhc / full |")
-    assert "read mid-schedule, before its learning rate has decayed" in table and "an **estimate**" in table
-    figure = published / "ablation.png"
-    assert figure.read_bytes()[:4] == PNG and figure.stat().st_size > 20_000
-    assert not (out / "results.md").exists()  # the runs stay apart from the published report
-
-    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.name in ("result.json", "sessions.jsonl")}
-    assert len(stamps) == 12
-    assert main(argv) == 0  # every run finished: nothing is trained or evaluated
-    assert stamps == {p: p.stat().st_mtime_ns for p in stamps}
-
-    assert main([*argv, "--steps", "41"]) == 2
-    assert "holds a study with other settings (steps: 40 there vs 41 now)" in capsys.readouterr().err
-
-
-def sessions(out: Path, run: dict) -> list[dict]:
-    path = out / "runs" / run["variant"] / f"lr{run['learning_rate']:g}" / f"seed{run['seed']}" / "sessions.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 @pytest.mark.parametrize(("study", "argv", "message"), [
-    ("ablation", ["--steps", "0"], "--steps must be >= 1"),
-    ("ablation", ["--seeds", "1", "1"], "--seeds must be distinct"),
-    ("ablation", ["--model", "huge"], "unknown --model 'huge'"),
-    ("ablation", ["--train-args", "--dtype 'bfloat16"], "cannot parse --train-args"),
-    ("ablation", ["--learning-rates", "0"], "--learning-rates positive"),
-    ("ablation", ["--train-args", "--no-such-flag 3"], "the training program would reject the runs' flags"),
     ("scaling", ["--sizes", "32:2:2", "48:2"], "--sizes needs at least 3 sizes"),
     ("scaling", ["--sizes", "32:2:2", "48:2:2", "50:2:3"], "--sizes 50:2:3: ModelConfig"),
     ("scaling", ["--sizes", "32:2:2", "48:2:2", "x:2:2"], "width:layers:heads"),
@@ -312,6 +214,16 @@ def test_bad_study_flags_exit_2_with_one_line(tmp_path, capsys, study, argv, mes
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out" / "runs").exists()
+
+
+@pytest.mark.parametrize("argv", [["ablation"], ["ablation", "--steps", "400", "--seeds", "0", "1"],
+                                  ["ablation", "--help"]])
+def test_the_retired_v2_ablation_exits_2_with_one_line_naming_ablation3(tmp_path, capsys, argv):
+    assert main([*argv, "--out-dir", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+    assert "v2 ablation study was retired" in captured.err and "python -m nash_mhc.study ablation3" in captured.err
+    assert not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------------------------- scaling

@@ -13,7 +13,7 @@ import pytest
 
 from nash_mhc.study import ablation3_protocol as protocol
 from nash_mhc.study.__main__ import main
-from nash_mhc.study.ablation import Run
+from nash_mhc.study.ablation3 import Run
 from nash_mhc.study.ablation3_report import questions, variant_rows
 from nash_mhc.study.variants import V3_VARIANTS, spec3, variant_flags3
 
@@ -160,6 +160,11 @@ def test_the_report_compares_variants_at_their_own_rates_paired_by_seed():
 
 
 @pytest.mark.parametrize(("argv", "message"), [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--seeds", "1", "1"], "--seeds must be distinct"),
+    (["--model", "huge"], "--model must be a preset of width >= tiny's, got 'huge'"),
+    (["--train-args", "--dtype 'bfloat16"], "cannot parse --train-args"),
+    (["--train-args", "--no-such-flag 3"], "the training program would reject the runs' flags"),
     (["--seq-len", "128"], "--seq-len must be >= 256"),
     (["--variants", "plain+full", "mhc+full@uniform"], "unknown variant 'mhc+full@uniform'"),
     (["--learning-rates", "1.0"], "--learning-rates in [1e-05, 0.3]"),

@@ -19,13 +19,13 @@ The protocol is fixed here, before any run (the rules are :mod:`nash_mhc.study.a
   rate of the 1-3 ladder on that side (1e-2 -> 3e-2, 1e-3 -> 3e-4), runs it on every seed and chooses again;
   hard limit: at most ``--max-extra-rates`` (default 3) added rates per variant, and none outside [1e-5, 0.3].
   Every cell stays in results.json.
-- **Splits** as in the v2 ablation: held-out batches [0, N_sel) select, [N_sel, N_sel + N_rep) are reported, the
-  same windows in the same order for every run (``--window-seed 0``), so comparisons are paired by seed.
+- **Splits**: held-out batches [0, N_sel) select, [N_sel, N_sel + N_rep) are reported, disjoint windows read
+  in the same order by every run (``--window-seed 0``), so comparisons are paired by seed.
 - **Equal tokens**: S = ``--steps`` steps of ``--batch-size`` x ``--seq-len`` (>= 256) tokens on one cosine
   schedule of S steps; report-split bits per byte at S.
 - **Equal full FLOPs**: F_v = ``ModelConfig.flops_per_token_all()`` of the run's model when the config has it,
   else ``flops_per_token()`` (results.json names which); a costlier variant is also evaluated at s_v =
-  floor(S F_base / F_v), mid-schedule (two training sessions, as in v2).
+  floor(S F_base / F_v), mid-schedule (two training sessions: to s_v, evaluated, then on to S).
 - **Equal wall-clock**: every run's median seconds per training step t (over the logged windows; compiles,
   start-ups and evaluations excluded) is measured on its machine. Per seed, the baseline trains S steps in
   S t_base, where t_base is the median of the baseline's step times over its finished runs of that seed (the
@@ -39,8 +39,8 @@ The protocol is fixed here, before any run (the rules are :mod:`nash_mhc.study.a
 - **Curves**: every logged step's training loss and the scale metrics (``scale_weight/<l>``, ``scale_prior/<l>``,
   ``scale_tv`` and per layer) of the last logged step and of the report evaluation at S, for every run.
 
-Runs live in ``<out>/runs/<variant>/lr<rate>/seed<k>`` and resume as in the v2 ablation
-(:mod:`nash_mhc.study.child_runs`); the grid is recomputed from the finished runs, so a rerun continues it.
+Runs live in ``<out>/runs/<variant>/lr<rate>/seed<k>`` (:mod:`nash_mhc.study.child_runs`): a finished run is
+never re-run, an interrupted one resumes, and the grid is recomputed from the finished runs, so a rerun continues it.
 
 Cost on the shared 2-core VM: :data:`nash_mhc.study.ablation3_report.ESTIMATE` (hours for the default study;
 the report repeats it).
@@ -61,9 +61,8 @@ from tqdm import tqdm
 
 from nash_mhc.cli import add_compile_cache_argument
 from nash_mhc.config import ModelConfig
-from nash_mhc.study import ablation, ablation3_report, report
 from nash_mhc.study import ablation3_protocol as protocol
-from nash_mhc.study.ablation import Run
+from nash_mhc.study import ablation3_report, report
 from nash_mhc.study.child_runs import ChildRun, Diverged, Failed, Stopped, median_step_time, resolved_configs, travel
 from nash_mhc.study.runner import ChildRunner, StudyError, python_module, read_json, study_directory, write_json
 from nash_mhc.study.variants import V3_VARIANTS, spec3, variant_flags3
@@ -72,11 +71,39 @@ MIN_SEQ_LEN = 256  # coarse scales need long-range context to be worth using
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings(ablation.Settings):
-    """v2's shared settings (kept in ``<out>/study.json``; a rerun must agree with it) and v3's own two."""
+class Settings:
+    """What every run of one study shares (kept in ``<out>/study.json``; a rerun must agree with it)."""
 
+    model: str
+    seq_len: int
+    steps: int
+    batch_size: int
+    warmup_steps: int | None
+    dataset: str
+    tokenizer: str
+    dataset_name: str | None
+    selection_batches: int
+    report_batches: int
+    eval_batch_size: int
+    train_args: tuple[str, ...]
     checkpoint_interval: int
     max_extra_rates: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One variant at one learning rate and seed."""
+
+    variant: str
+    learning_rate: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant} lr {self.learning_rate:g} seed {self.seed}"
+
+    def directory(self, out: Path) -> Path:
+        return out / "runs" / self.variant / f"lr{self.learning_rate:g}" / f"seed{self.seed}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

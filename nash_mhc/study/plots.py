@@ -10,7 +10,6 @@ import numpy as np
 from nash_mhc.study.runner import StudyError
 
 RESIDUAL_COLORS = {"plain": "tab:gray", "hc": "tab:red", "mhc": "tab:blue", "mhc-lite": "tab:green"}
-ATTENTION_STYLES = {"full": "-", "nash": "--", "gate": "-.", "convex": ":"}
 
 
 def pyplot() -> Any:
@@ -22,44 +21,6 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def ablation_figure(rows: list[dict[str, Any]], learning_rates: list[float], baseline: str, path: Path) -> None:
-    """Selection-split bits per byte against the learning rate per variant (the sweep; the chosen rate circled),
-    and each variant's bits per byte minus the baseline's, paired by seed (mean ± std), at equal tokens and at
-    equal FLOPs."""
-    plt = pyplot()
-    fig, (sweep, tokens, flops) = plt.subplots(1, 3, figsize=(18, 5.2), width_ratios=(1.1, 1, 1))
-    for row in rows:
-        residual, attention = row["variant"].split("+")
-        style = dict(color=RESIDUAL_COLORS.get(residual, "tab:green"), linestyle=ATTENTION_STYLES.get(attention, "-"))
-        points = sorted((s["learning_rate"], s["selection_bits_per_byte"]) for s in row["learning_rates"]
-                        if s["selection_bits_per_byte"] is not None)
-        if points:
-            sweep.plot(*zip(*points, strict=True), marker="o", markersize=3, label=row["label"], **style)
-        chosen = dict(points).get(row["chosen_learning_rate"])
-        if chosen is not None:
-            sweep.plot([row["chosen_learning_rate"]], [chosen], marker="o", markersize=9, fillstyle="none",
-                       color=style["color"])
-    sweep.set(xscale="log", xlabel="peak learning rate", ylabel="selection-split bits/byte",
-              title="learning-rate sweep (first seed; circle: chosen)")
-    sweep.legend(fontsize=6, ncol=2)
-    names = [r["label"].replace(" / ", "\n") for r in rows]
-    for ax, key, title in ((tokens, "equal_tokens", "equal tokens (step S)"),
-                           (flops, "equal_flops", "equal FLOPs (step s_v, mid-schedule)")):
-        for x, row in enumerate(rows):
-            mean, std = row[key]["delta"]
-            if not np.isnan(mean):
-                ax.errorbar([x], [mean], yerr=[0.0 if np.isnan(std) else std], marker="o", capsize=4,
-                            linestyle="none", color=RESIDUAL_COLORS.get(row["variant"].split("+")[0], "tab:green"))
-        ax.axhline(0.0, color="grey", linewidth=0.8)
-        ax.set_xticks(range(len(rows)), names, fontsize=6, rotation=90)
-        ax.set(ylabel=f"report-split bits/byte minus {baseline}'s", title=f"{title}\npaired by seed: mean ± std")
-    for ax in (sweep, tokens, flops):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def scaling_figure(results: list[dict[str, Any]], fits: dict[str, Any], variants: list[str], path: Path) -> None:
