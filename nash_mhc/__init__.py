@@ -15,6 +15,7 @@ from nash_mhc.execution import ExecutionConfig
 from nash_mhc.model import Block, LanguageModel, ModelOutput
 from nash_mhc.ops.dispatch import use_kernels
 from nash_mhc.platforms import select_platform
+from nash_mhc.run_config import RunConfig
 from nash_mhc.sharding import MeshError, make_mesh
 from nash_mhc.training import TrainConfig
 
@@ -28,8 +29,8 @@ def load_exported(directory: str, *, device: object = None) -> LanguageModel:
     return load(directory, device=device)
 
 
-__all__ = ["Block", "ExecutionConfig", "LanguageModel", "MeshError", "ModelConfig", "ModelOutput", "TrainConfig",
-           "make_mesh", "ops", "training", "__version__"]
+__all__ = ["Block", "ExecutionConfig", "LanguageModel", "MeshError", "ModelConfig", "ModelOutput", "RunConfig",
+           "TrainConfig", "make_mesh", "ops", "training", "__version__"]
 __all__ += ["decoding", "generate_tokens", "load_exported", "select_platform", "use_kernels"]
 
 

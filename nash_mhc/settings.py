@@ -1,6 +1,6 @@
 """One declaration per setting: a dataclass field that holds its default, help text, choices and check.
 
-The configs (``ModelConfig``, ``TrainConfig``, ``DataConfig``, ``MeshConfig``, ``RunConfig``, the programs' own)
+The configs (``ModelConfig``, ``TrainConfig``, ``DataConfig``, ``MeshConfig``, ``LoopConfig``, the programs' own)
 declare their fields with :func:`setting`; :class:`nash_mhc.cli.SettingsParser` turns every field that has help
 text into a kebab-case flag (``batch_size`` → ``--batch-size``), and ``__post_init__`` calls
 :func:`check_settings`, so a default, its help and its validation are written once. This module imports

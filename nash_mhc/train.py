@@ -20,30 +20,28 @@ abstract devices (needs libtpu, the ``tpu`` extra; no TPU), and prints the memor
 
 Every flag is generated from one field declaration (:mod:`nash_mhc.settings`): the model flags from
 ``ModelConfig`` (default: the preset's value), then ``DataConfig``, ``TrainConfig``, ``MeshConfig``
-(``--mesh-*``), ``RunConfig``, ``CompileCache``, ``ExecutionConfig`` (``--kernels``, ``--remat``, ...), ``WandbConfig``,
-``ProfileConfig`` and :class:`Program` below. To add a flag, declare a field with ``setting(default, help)`` in
-the config it belongs to.
+(``--mesh-*``), ``LoopConfig``, ``CompileCache``, ``ExecutionConfig`` (``--kernels``, ``--remat``, ...),
+``WandbConfig``, ``ProfileConfig`` and :class:`Program` below. :func:`configs` nests the model, execution,
+optimisation, data, mesh and loop configs in one :class:`~nash_mhc.run_config.RunConfig`. To add a flag, declare
+a field with ``setting(default, help)`` in the config it belongs to.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Any
 
 from nash_mhc.cli import CompileCache, SettingsParser, fail
 from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig
 from nash_mhc.execution import ExecutionConfig
 from nash_mhc.platforms import select_platform
+from nash_mhc.run_config import RunConfig
 from nash_mhc.settings import POSITIVE_INT, check_settings, setting
 from nash_mhc.sharding import MeshConfig
-from nash_mhc.training.config import RunConfig, TrainConfig
+from nash_mhc.training.config import LoopConfig, TrainConfig
 from nash_mhc.training.profiling import ProfileConfig
 from nash_mhc.training.wandb_log import WandbConfig
-
-if TYPE_CHECKING:
-    from nash_mhc.training.session import Configs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +92,7 @@ def build_parser() -> SettingsParser:
     parser.add_settings(DataConfig, "data")
     parser.add_settings(TrainConfig, "optimisation")
     parser.add_settings(MeshConfig, "mesh", prefix="mesh-")
-    parser.add_settings(RunConfig, "run")
+    parser.add_settings(LoopConfig, "run")
     parser.add_settings(CompileCache, "run")
     parser.add_settings(ExecutionConfig, "run")
     parser.add_settings(WandbConfig, "Weights & Biases")
@@ -103,10 +101,8 @@ def build_parser() -> SettingsParser:
     return parser
 
 
-def configs(argv: list[str] | None = None, parser: SettingsParser | None = None) -> tuple[Configs, CompileCache]:
-    """(training.session.Configs, CompileCache) from the command line; ValueError on inconsistent values."""
-    from nash_mhc.training.session import Configs
-
+def configs(argv: list[str] | None = None, parser: SettingsParser | None = None) -> tuple[RunConfig, CompileCache]:
+    """(RunConfig, CompileCache) from the command line; ValueError (naming the flag) on inconsistent values."""
     parser = parser or build_parser()
     given = parser.given(argv)
     program = parser.build(Program, given)
@@ -126,20 +122,15 @@ def configs(argv: list[str] | None = None, parser: SettingsParser | None = None)
                              f"{per_microbatch}; give one of them")
         accumulation = program.total_batch_tokens // per_microbatch
     batch = {"batch_size": program.batch_size * accumulation, "grad_accum_steps": accumulation}
-    return (Configs(model=model, train=parser.build(TrainConfig, given, **batch), data=parser.build(DataConfig, given),
-                    mesh=parser.build(MeshConfig, given), run=parser.build(RunConfig, given)),
-            parser.build(CompileCache, given))
+    # the execution flags not given take the preset's values (nash_mhc.execution.DEFAULTS); RunConfig checks them
+    execution = parser.build(ExecutionConfig, given).for_preset(program.preset)
+    run_config = RunConfig(model=model, execution=execution, train=parser.build(TrainConfig, given, **batch),
+                           data=parser.build(DataConfig, given), mesh=parser.build(MeshConfig, given),
+                           loop=parser.build(LoopConfig, given))
+    return run_config, parser.build(CompileCache, given)
 
 
-def execution_config(parser: SettingsParser, given: dict[str, Any], model: ModelConfig) -> ExecutionConfig:
-    """The ExecutionConfig of the flags ``given`` (``parser.given(argv)``), each one not given at the preset's value
-    (nash_mhc.execution.DEFAULTS), checked against ``model``; ValueError names the flag."""
-    execution = parser.build(ExecutionConfig, given).for_preset(parser.build(Program, given).preset)
-    execution.check(model.num_layers, model.seq_len)
-    return execution
-
-
-def compile_only(run_configs: Configs, options: CompileOnly) -> int:
+def compile_only(run_config: RunConfig, options: CompileOnly) -> int:
     """``--compile-only``: print the fit report of the train step; 0 fits (or unknown memory), 4 does not."""
     from nash_mhc import hardware
     from nash_mhc.tpu_compile import fit
@@ -149,9 +140,9 @@ def compile_only(run_configs: Configs, options: CompileOnly) -> int:
             fit.resolve_topology(options.topology)  # a bad name fails before anything is loaded
         else:
             hardware.init_devices()
-        model = run_configs.model.replace(vocab_size=run_configs.data.load_tokenizer().vocab_size)
-        mesh = run_configs.mesh
-        report = fit.check_fit(model, run_configs.train, topology=options.topology, data=mesh.data,
+        model = run_config.model.replace(vocab_size=run_config.data.load_tokenizer().vocab_size)
+        mesh = run_config.mesh
+        report = fit.check_fit(model, run_config.train, topology=options.topology, data=mesh.data,
                                fsdp=mesh.fsdp, tp=mesh.tp)
     except (ValueError, FileNotFoundError) as error:
         return fail(error)
@@ -163,20 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     select_platform()  # before anything starts a JAX backend
     parser = build_parser()
     try:
-        run_configs, cache = configs(argv, parser)
+        run_config, cache = configs(argv, parser)
         given = parser.given(argv)
         options, wandb_config = parser.build(CompileOnly, given), parser.build(WandbConfig, given)
-        profile, execution = parser.build(ProfileConfig, given), execution_config(parser, given, run_configs.model)
+        profile = parser.build(ProfileConfig, given)
     except ValueError as error:
         return fail(error)
-    with execution.use():  # the steps (train, eval; or the compile) are traced under --kernels, --remat, ...
-        return _run(run_configs, cache, options, wandb_config, profile)
+    with run_config.execution.use():  # the steps (train, eval; or the compile) are traced under --kernels, --remat
+        return _run(run_config, cache, options, wandb_config, profile)
 
 
-def _run(run_configs: Configs, cache: CompileCache, options: CompileOnly, wandb_config: WandbConfig,
+def _run(run_config: RunConfig, cache: CompileCache, options: CompileOnly, wandb_config: WandbConfig,
          profile: ProfileConfig) -> int:
     if options.compile_only:  # (no persistent cache: what is measured is a compile)
-        return compile_only(run_configs, options)
+        return compile_only(run_config, options)
 
     from nash_mhc import hardware
     from nash_mhc.kernels import trust
@@ -186,19 +177,18 @@ def _run(run_configs: Configs, cache: CompileCache, options: CompileOnly, wandb_
 
     try:
         hardware.initialize_distributed()
-        wandb_log.check_available(wandb_config, run_configs.run.checkpoint_dir)  # package, run id, key
+        wandb_log.check_available(wandb_config, run_config.loop.checkpoint_dir)  # package, run id, key
         cache.use()  # a local directory or a bucket (gs://...)
         # auto checks the step's kernels before it trusts them (TPU): a failing one runs its XLA form. The devices
         # first: a platform JAX cannot start is a one-line error (HardwareError), not the check's traceback
         hardware.init_devices()
-        disabled = trust.trusted_kernels(dispatch.kernels_setting(), run_configs.model, run_configs.train,
+        disabled = trust.trusted_kernels(dispatch.kernels_setting(), run_config.model, run_config.train,
                                          cache.compile_cache_dir)
-        run_session = session.prepare(run_configs)
+        run_session = session.prepare(run_config)
     except (ValueError, OSError) as error:  # bad input, or a filesystem that refuses it
         return fail(error)
     try:
-        resolved = {f"{name}_config": dataclasses.asdict(c) for name, c in run_session.configs._asdict().items()}
-        sink = wandb_log.start(wandb_config, run_configs.run.checkpoint_dir, resolved)
+        sink = wandb_log.start(wandb_config, run_config.loop.checkpoint_dir, run_session.run_config.to_dict())
     except Exception as error:  # noqa: BLE001 - W&B could not start the run (network, permissions)
         run_session.logger.close()
         run_session.checkpointer.close()
@@ -207,8 +197,8 @@ def _run(run_configs: Configs, cache: CompileCache, options: CompileOnly, wandb_
         return fail(f"W&B: {error}")
     if sink is not None:
         run_session.logger.add_sink(sink)
-    with profiling.Profiler(profile, run_configs.run.checkpoint_dir, run_session.start_step,
-                            run_configs.train.total_steps) as profiler:
+    with profiling.Profiler(profile, run_config.loop.checkpoint_dir, run_session.start_step,
+                            run_config.train.total_steps) as profiler:
         if profiler.note is not None:
             run_session.summary.append(profiler.note)
         with dispatch.disable_kernels(disabled):

@@ -150,7 +150,7 @@ MUTATIONS = {
                                                     [("interpret=interpret or interpreting()", "interpret=interpret")],
                                                     ["tests/test_kernels_setting.py"]),
     "train ignores --kernels": ("nash_mhc/train.py",
-                                [("    with execution.use():", "    with ExecutionConfig().use():")],
+                                [("    with run_config.execution.use():", "    with ExecutionConfig().use():")],
                                 ["tests/test_kernels_setting.py"]),
     "evaluate ignores --kernels": ("nash_mhc/evaluate.py", [("    with execution.use():  # --kernels",
                                                               "    with ExecutionConfig().use():")],

@@ -260,7 +260,7 @@ def test_the_training_log_reports_the_benchmarks_mfu_without_compile_or_checkpoi
 
     from nash_mhc import ModelConfig, TrainConfig
     from nash_mhc.training import loop
-    from nash_mhc.training.config import RunConfig
+    from nash_mhc.training.config import LoopConfig
     from nash_mhc.training.throughput import MFUMeter
 
     class Probe:
@@ -278,7 +278,7 @@ def test_the_training_log_reports_the_benchmarks_mfu_without_compile_or_checkpoi
     probe = Probe()
     meter = MFUMeter.for_device(model.flops_per_token(), 1, probe=probe)
     probe_runs = probe.runs
-    session = SimpleNamespace(configs=SimpleNamespace(model=model, train=train, run=RunConfig(log_interval=2)),
+    session = SimpleNamespace(run_config=SimpleNamespace(model=model, train=train, loop=LoopConfig(log_interval=2)),
                               start_step=0, logger=logger, meter=meter, last_saved=None)
     reader = loop.MetricsReader(session)
     values = {"loss": 1.0}

@@ -148,13 +148,15 @@ def test_prepare_puts_config_logs_and_checkpoints_in_the_bucket(gcs):
     the path layer, the checkpointer is opened there (resuming from it is the round trip above)."""
     from nash_mhc.config import ModelConfig
     from nash_mhc.data import DataConfig
+    from nash_mhc.run_config import RunConfig
     from nash_mhc.sharding import MeshConfig
-    from nash_mhc.training.config import RunConfig, TrainConfig
-    from nash_mhc.training.session import Configs, prepare
+    from nash_mhc.training.config import LoopConfig, TrainConfig
+    from nash_mhc.training.session import prepare
 
-    run = RunConfig(checkpoint_dir="gs://bucket/prepared", progress=False)
-    session = prepare(Configs(ModelConfig.preset("tiny"), TrainConfig(batch_size=8, total_steps=4, warmup_steps=1),
-                              DataConfig(dataset="synthetic"), MeshConfig(), run))
+    loop = LoopConfig(checkpoint_dir="gs://bucket/prepared", progress=False)
+    session = prepare(RunConfig(ModelConfig.preset("tiny"), train=TrainConfig(batch_size=8, total_steps=4,
+                                                                              warmup_steps=1),
+                                data=DataConfig(dataset="synthetic"), mesh=MeshConfig(), loop=loop))
     assert "fresh start" in session.summary
     assert any(line.startswith("layout: process 0 of 1") for line in session.summary)
     assert os.fspath(session.checkpointer.directory) == "gs://bucket/prepared"

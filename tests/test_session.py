@@ -11,19 +11,20 @@ import pytest
 
 from nash_mhc.config import ModelConfig
 from nash_mhc.data import DataConfig
+from nash_mhc.run_config import RunConfig
 from nash_mhc.sharding import MeshConfig
 from nash_mhc.training import session
 from nash_mhc.training.checkpoint import Checkpointer
-from nash_mhc.training.config import RunConfig, TrainConfig
+from nash_mhc.training.config import LoopConfig, TrainConfig
 from nash_mhc.training.resume import identity_differences, run_identity
 from nash_mhc.training.state import init_train_state
 
 
-def tiny_configs(directory, **run) -> session.Configs:
-    return session.Configs(ModelConfig.preset("tiny", residual="plain", attention="full"),
-                           TrainConfig(batch_size=4, total_steps=2, warmup_steps=1),
-                           DataConfig(dataset="synthetic"), MeshConfig(), RunConfig(checkpoint_dir=str(directory),
-                                                                                    progress=False, **run))
+def tiny_configs(directory, **loop) -> RunConfig:
+    return RunConfig(ModelConfig.preset("tiny", residual="plain", attention="full"),
+                     train=TrainConfig(batch_size=4, total_steps=2, warmup_steps=1),
+                     data=DataConfig(dataset="synthetic"), mesh=MeshConfig(),
+                     loop=LoopConfig(checkpoint_dir=str(directory), progress=False, **loop))
 
 
 def test_check_batch_names_what_does_not_divide():
@@ -34,7 +35,7 @@ def test_check_batch_names_what_does_not_divide():
 
 def test_open_data_takes_the_vocabulary_from_the_tokenizer(tmp_path):
     configs = tiny_configs(tmp_path)
-    configs = configs._replace(model=configs.model.replace(vocab_size=7))
+    configs = configs.replace(model=configs.model.replace(vocab_size=7))
     resolved, tokenizer, train_data, eval_data, notes = session.open_data(configs)
     assert resolved.model.vocab_size == tokenizer.vocab_size != 7
     assert train_data.num_windows > 0 and eval_data.num_windows > 0 and notes == []
@@ -57,7 +58,7 @@ def test_starting_state_fresh_then_from_the_directory_then_init_from(tmp_path):
     assert (resumed.step, resumed.resume, resumed.own_steps) == (2, True, [2])
     np.testing.assert_array_equal(resumed.state.model.embedding, state.model.embedding)
 
-    init = configs._replace(run=RunConfig(checkpoint_dir=str(tmp_path / "other"), init_from=str(tmp_path / "run")))
+    init = configs.replace(loop=LoopConfig(checkpoint_dir=str(tmp_path / "other"), init_from=str(tmp_path / "run")))
     started = session.starting_state(init, identity, mesh, tmp_path / "other")
     assert (started.step, started.resume) == (0, False)
     np.testing.assert_array_equal(started.state.model.embedding, state.model.embedding)
@@ -86,19 +87,19 @@ def test_a_resume_with_another_seed_or_batch_needs_allow_data_change(tmp_path):
 
     split = configs.train.replace(batch_size=4, grad_accum_steps=2)
     assert identity_differences(identity, run_identity(configs.data, tokenizer, split)) == []
-    changed = configs._replace(train=configs.train.replace(seed=1, batch_size=8, grad_accum_steps=2))
+    changed = configs.replace(train=configs.train.replace(seed=1, batch_size=8, grad_accum_steps=2))
     now = run_identity(changed.data, tokenizer, changed.train)
     with pytest.raises(ValueError, match=r"\(seed: 0 then, 1 now; sequences_per_update: 4 then, 8 now\); pass "
                                          "--allow-data-change"):
         session.starting_state(changed, now, mesh, tmp_path / "run")
 
-    allowed = changed._replace(run=dataclasses.replace(changed.run, allow_data_change=True))
+    allowed = changed.replace(loop=dataclasses.replace(changed.loop, allow_data_change=True))
     start = session.starting_state(allowed, now, mesh, tmp_path / "run")
     assert start.step == 2 and start.notes == ["warning: resuming with changes allowed by --allow-data-change: "
                                                "seed: 0 then, 1 now; sequences_per_update: 4 then, 8 now"]
     old = {k: v for k, v in identity.items() if k not in ("seed", "sequences_per_update")}  # recorded before
     assert identity_differences(old, now) == []
-    init = changed._replace(run=RunConfig(checkpoint_dir=str(tmp_path / "new"), init_from=str(tmp_path / "run")))
+    init = changed.replace(loop=LoopConfig(checkpoint_dir=str(tmp_path / "new"), init_from=str(tmp_path / "run")))
     started = session.starting_state(init, now, mesh, tmp_path / "new")
     assert (started.step, started.resume, started.notes) == (0, False, [])
 
@@ -118,7 +119,8 @@ def test_a_skipped_checkpoint_is_named_with_its_read_error_and_where_it_goes(tmp
                   key=lambda p: p.stat().st_size)
     largest.write_bytes(largest.read_bytes()[:10])
 
-    elsewhere = configs._replace(run=RunConfig(checkpoint_dir=str(tmp_path / "new"), resume_from=str(tmp_path / "run")))
+    elsewhere = configs.replace(loop=LoopConfig(checkpoint_dir=str(tmp_path / "new"),
+                                                resume_from=str(tmp_path / "run")))
     start = session.starting_state(elsewhere, identity, mesh, tmp_path / "new")
     assert start.step == 2 and start.notes[0].endswith("; not deleted: it is left in place"), start.notes
     start = session.starting_state(configs, identity, mesh, tmp_path / "run")
@@ -138,7 +140,22 @@ def test_write_resolved_config_records_every_setting(tmp_path):
                             "execution_config"}
     assert ModelConfig.from_dict(written["model_config"]) == configs.model
     assert written["execution_config"] == {"kernels": "auto", "remat": "none", "remat_group": 1, "scan_unroll": 1,
-                                           "loss_chunks": 1}  # outside any ExecutionConfig.use(): the defaults
+                                           "loss_chunks": 1}  # ExecutionConfig()'s None fields at their defaults
+    assert RunConfig.from_dict(written) == configs
+
+
+def test_a_config_json_of_an_earlier_version_still_loads():
+    """A format-3 run's config.json: the layer scan's settings in model_config, remat and loss_chunks in
+    train_config, no execution_config (retired fields dropped, the execution at its defaults)."""
+    model = ModelConfig.preset("tiny").to_dict() | {"remat": "full", "remat_group": 2, "scan_unroll": 2}
+    old = {"model_config": model, "train_config": TrainConfig().to_dict() | {"remat": "none", "loss_chunks": 1},
+           "data_config": {"dataset": "synthetic"}, "run_config": {"checkpoint_dir": "runs/x"}, "mesh": {"data": 1}}
+    loaded = RunConfig.from_dict(old)
+    assert loaded == RunConfig(ModelConfig.preset("tiny"), data=DataConfig(dataset="synthetic"),
+                               loop=LoopConfig(checkpoint_dir="runs/x"))
+    assert loaded.execution.remat == "none" and loaded.mesh == MeshConfig()
+    with pytest.raises(ValueError, match="LoopConfig has no field 'typo'"):
+        RunConfig.from_dict({**old, "run_config": {"typo": 1}})
 
 
 def test_prepare_measures_the_peak_before_it_opens_the_data_or_makes_the_state(tmp_path, monkeypatch):
@@ -157,11 +174,11 @@ def test_prepare_measures_the_peak_before_it_opens_the_data_or_makes_the_state(t
     for name in ("open_data", "starting_state", "RunLogger", "Checkpointer"):
         monkeypatch.setattr(session, name, recorded(name, getattr(session, name)))
     configs = tiny_configs(tmp_path / "run")
-    prepared = session.prepare(configs._replace(train=configs.train.replace(batch_size=8)))  # 8 devices
+    prepared = session.prepare(configs.replace(train=configs.train.replace(batch_size=8)))  # 8 devices
     try:
         assert order[0] == "peak" and order.count("peak") == 1 and {"open_data", "starting_state"} <= set(order)
         assert (prepared.meter.peak, prepared.meter.source) == (123e9, "a recorded peak")
-        assert prepared.meter.flops_per_token == prepared.configs.model.flops_per_token()
+        assert prepared.meter.flops_per_token == prepared.run_config.model.flops_per_token()
         assert "peak FLOP/s per device: 123.0 GFLOP/s (a recorded peak)" in prepared.summary
     finally:
         prepared.logger.close()
@@ -194,11 +211,11 @@ def small_sft_file(path, records=600, null_every=6):
     return path
 
 
-def sft_configs(tmp_path, seq_len, **run) -> session.Configs:
-    configs = tiny_configs(tmp_path / "run", **run)
+def sft_configs(tmp_path, seq_len, **loop) -> RunConfig:
+    configs = tiny_configs(tmp_path / "run", **loop)
     data = DataConfig(dataset=str(small_sft_file(tmp_path / "sft.jsonl")), prompt_field="prompt",
                       response_field="response")
-    return configs._replace(model=configs.model.replace(seq_len=seq_len), data=data)
+    return configs.replace(model=configs.model.replace(seq_len=seq_len), data=data)
 
 
 def test_a_held_out_part_without_a_window_trains_without_evaluation_when_eval_interval_is_0(tmp_path):

@@ -365,11 +365,11 @@ def test_every_flag_is_one_settings_field_with_its_default_only_there(module):
 def test_no_flags_gives_the_configs_defaults():
     from nash_mhc.data import DataConfig
     from nash_mhc.sharding import MeshConfig
-    from nash_mhc.training.config import RunConfig
+    from nash_mhc.training.config import LoopConfig
 
     configs, cache = train_module.configs([])
     assert configs.model == ModelConfig.preset("small") and configs.train == TrainConfig()
-    assert configs.data == DataConfig() and configs.mesh == MeshConfig() and configs.run == RunConfig()
+    assert configs.data == DataConfig() and configs.mesh == MeshConfig() and configs.loop == LoopConfig()
     assert TrainConfig().lr_schedule_steps == TrainConfig().total_steps == 1000
     assert TrainConfig().warmup_steps == 100  # 10 % of the schedule
     assert cache.compile_cache_dir.endswith("xla")
@@ -409,7 +409,7 @@ def test_config_file_values_sit_under_the_flags(tmp_path):
     file = tmp_path / "run.json"
     file.write_text(json.dumps({"batch-size": 16, "no-progress": True, "mesh-tp": 2, "split": "train"}))
     configs, _ = train_module.configs(["--config", str(file), "--batch-size", "32", "--model", "tiny"])
-    assert configs.train.batch_size == 32 and not configs.run.progress and configs.mesh.tp == 2
+    assert configs.train.batch_size == 32 and not configs.loop.progress and configs.mesh.tp == 2
     (tmp_path / "bad.toml").write_text('batch_sise = 3\n')
     with pytest.raises(SystemExit) as exit_:
         train_module.configs(["--config", str(tmp_path / "bad.toml")])
@@ -420,9 +420,7 @@ def test_large_presets_train_with_their_memory_settings_unless_flags_say_otherwi
     """--model 1b and --model 3b default to remat full per layer and 8 loss chunks (docs/tpu.md, "Does it fit?");
     --remat/--remat-group override the pair, --loss-chunks alone; other presets keep no remat."""
     def memory(*argv: str) -> tuple[str, int, int]:
-        parser = train_module.build_parser()
-        configs, _ = train_module.configs(list(argv), parser)
-        execution = train_module.execution_config(parser, parser.given(list(argv)), configs.model)
+        execution = train_module.configs(list(argv))[0].execution
         return execution.remat, execution.remat_group, execution.loss_chunks
 
     assert memory("--model", "1b") == ("full", 1, 8)

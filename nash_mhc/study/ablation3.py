@@ -61,6 +61,7 @@ from tqdm import tqdm
 
 from nash_mhc.cli import add_compile_cache_argument
 from nash_mhc.config import ModelConfig
+from nash_mhc.run_config import RunConfig
 from nash_mhc.study import ablation3_protocol as protocol
 from nash_mhc.study import ablation3_report, report
 from nash_mhc.study.child_runs import ChildRun, Diverged, Failed, Stopped, median_step_time, resolved_configs, travel
@@ -284,8 +285,8 @@ def execute(runner: ChildRunner, settings: Settings, run: Run, flops_step: int, 
     except Diverged:
         status = "diverged"
     records = child.records()
-    resolved = read_json(child.checkpoint_dir / "config.json")
-    tokens_per_step = int(resolved["train_config"]["batch_size"]) * settings.seq_len
+    resolved = RunConfig.from_dict(read_json(child.checkpoint_dir / "config.json"))  # as the run resolved it
+    tokens_per_step = resolved.train.batch_size * settings.seq_len
 
     def bpb(name: str) -> float | None:
         return evals[name]["bits_per_byte"] if name in evals else None

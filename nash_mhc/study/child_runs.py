@@ -68,16 +68,16 @@ def travel(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def resolved_configs(command: list[str]) -> Any:
-    """The ``training.session.Configs`` a ``python -m nash_mhc.train`` command builds (its flags parsed by the
-    training program's own parser; the model's vocabulary from its tokenizer, as training sets it); a StudyError
-    when the program would reject them."""
+    """The :class:`~nash_mhc.run_config.RunConfig` a ``python -m nash_mhc.train`` command builds (its flags parsed
+    by the training program's own parser; the model's vocabulary from its tokenizer, as training sets it); a
+    StudyError when the program would reject them."""
     from nash_mhc import train
 
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):  # the parser's own one-line error becomes the StudyError's
             configs, _ = train.configs(command[3:])  # drop [python, -m, nash_mhc.train]
-        return configs._replace(model=configs.model.replace(vocab_size=configs.data.load_tokenizer().vocab_size))
+        return configs.replace(model=configs.model.replace(vocab_size=configs.data.load_tokenizer().vocab_size))
     except (ValueError, OSError) as error:
         raise StudyError(f"the training program would reject the runs' flags: {error}") from None
     except SystemExit:

@@ -1,4 +1,4 @@
-"""TrainConfig (optimisation and step) and RunConfig (the training program's outputs and loop), each setting
+"""TrainConfig (optimisation and step) and LoopConfig (the training program's outputs and loop), each setting
 declared once (default, help, check); ``python -m nash_mhc.train`` generates its flags from these fields."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class TrainConfig(ConfigMethods):
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
+class LoopConfig:
     """The training program's outputs, resumption, logging, evaluation and loop guards."""
 
     checkpoint_dir: str = setting("runs/nash_mhc", "checkpoints, metrics.jsonl, TensorBoard and config.json "

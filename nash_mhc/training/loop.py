@@ -57,7 +57,7 @@ class MetricsReader:
     def logs(self, step: int) -> bool:
         """Whether ``step`` gets a log line (every ``--log-interval``, the first and the last step)."""
         session = self.session
-        return (step % session.configs.run.log_interval == 0 or step == session.configs.train.total_steps
+        return (step % session.run_config.loop.log_interval == 0 or step == session.run_config.train.total_steps
                 or step == session.start_step + 1)
 
     def push(self, step: int, metrics: dict[str, jax.Array]) -> None:
@@ -73,7 +73,7 @@ class MetricsReader:
             self._read(step, {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()})
 
     def _read(self, step: int, values: dict[str, float]) -> None:
-        session, run = self.session, self.session.configs.run
+        session, run = self.session, self.session.run_config.loop
         now = time.perf_counter()
         elapsed, self.last = now - self.last, now
         if not self.compiled:  # the first step's time is mostly compilation
@@ -92,10 +92,10 @@ class MetricsReader:
                            f"step {step}); stopping: {kept}")
 
     def _log(self, step: int, values: dict[str, float]) -> None:
-        session, model = self.session, self.session.configs.model
+        session, model = self.session, self.session.run_config.model
         figures = {"tokens_per_second": math.nan, "mfu": math.nan, "step_time_s": math.nan}
         if self.window_steps:
-            figures = session.meter.report(session.configs.train.batch_size * model.seq_len,
+            figures = session.meter.report(session.run_config.train.batch_size * model.seq_len,
                                            self.window_time / self.window_steps)
         session.logger.write({"step": step, **{k: v for k, v in values.items() if k != "tokens"}, **figures})
         session.logger.progress(step, values["loss"], figures["tokens_per_second"])
@@ -139,8 +139,8 @@ def _preemption_reached(step: int) -> bool:
 
 def eval_record(session: Session, state: TrainState) -> dict[str, float]:
     """The training program's evaluation: ``--eval-steps`` microbatches of held-out windows."""
-    result = evaluate(state.model, session.eval_data, session.tokenizer, num_batches=session.configs.run.eval_steps,
-                      batch_size=session.configs.train.microbatch_size)
+    result = evaluate(state.model, session.eval_data, session.tokenizer, num_batches=session.run_config.loop.eval_steps,
+                      batch_size=session.run_config.train.microbatch_size)
     return {"eval_loss": result.loss, "eval_ppl": result.perplexity, "eval_aux_loss": result.aux_loss,
             "eval_bpb": result.bits_per_byte}
 
@@ -163,7 +163,7 @@ def _save_if_finite(session: Session, step: int, state: TrainState, metrics: Met
 
 def train(session: Session, step_fn: Any = train_step) -> int:
     """Run from ``session.start_step`` to ``total_steps`` with ``step_fn`` (or a wrapper); returns the exit code."""
-    run, end, logger = session.configs.run, session.configs.train.total_steps, session.logger
+    run, end, logger = session.run_config.loop, session.run_config.train.total_steps, session.logger
     for line in session.summary:
         logger.message(line)
     state, step, metrics = session.state, session.start_step, MetricsReader(session)

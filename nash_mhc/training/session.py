@@ -10,18 +10,17 @@ import contextlib
 import dataclasses
 import json
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from nash_mhc import execution, exported, hardware, paths
-from nash_mhc.config import ModelConfig
+from nash_mhc import exported, hardware, paths
 from nash_mhc.data import DataConfig, NoWindows, PackedDataset, Tokenizer, open_windows
 from nash_mhc.data.windows import skipped_text
 from nash_mhc.model import describe
-from nash_mhc.ops.dispatch import kernels_setting
-from nash_mhc.sharding import MeshConfig, batch_shards, sharding_summary
+from nash_mhc.run_config import RunConfig
+from nash_mhc.sharding import batch_shards, sharding_summary
 from nash_mhc.training.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -29,7 +28,7 @@ from nash_mhc.training.checkpoint import (
     find_checkpoint,
     saved_model_config,
 )
-from nash_mhc.training.config import RunConfig, TrainConfig
+from nash_mhc.training.config import TrainConfig
 from nash_mhc.training.logger import RunLogger
 from nash_mhc.training.optim import make_schedule
 from nash_mhc.training.resume import (
@@ -45,21 +44,11 @@ from nash_mhc.training.state import Batch, TrainState, init_train_state, with_mo
 from nash_mhc.training.throughput import MFUMeter, device_peak
 
 
-class Configs(NamedTuple):
-    """Every setting of one training run (the training program builds them from its flags)."""
-
-    model: ModelConfig
-    train: TrainConfig
-    data: DataConfig
-    mesh: MeshConfig
-    run: RunConfig
-
-
 @dataclasses.dataclass
 class Session:
     """Everything :func:`train` needs, built and validated by :func:`prepare`. The mesh is ``state.mesh``."""
 
-    configs: Configs
+    run_config: RunConfig
     state: TrainState
     start_step: int
     train_data: PackedDataset
@@ -75,12 +64,12 @@ class Session:
 
     def host_batch(self, step: int) -> Batch:
         """This process's rows of the global batch of ``step`` (and their loss mask, for prompt/response data)."""
-        return Batch(**self.train_data.arrays_at(step, global_batch=self.configs.train.batch_size,
+        return Batch(**self.train_data.arrays_at(step, global_batch=self.run_config.train.batch_size,
                                                  process_index=jax.process_index(), process_count=jax.process_count()))
 
     def meta(self, step: int) -> dict[str, Any]:
         """The JSON record saved with the checkpoint of ``step``."""
-        model, train, data = self.configs.model, self.configs.train, self.configs.data
+        model, train, data = self.run_config.model, self.run_config.train, self.run_config.data
         return {"step": step, "rng": {"seed": train.seed}, "model_config": model.to_dict(),
                 "train_config": train.to_dict(), "mesh": dict(self.state.mesh.shape), "jax_version": jax.__version__,
                 "run": self.identity,
@@ -146,12 +135,12 @@ def _lock(directory: paths.Path) -> RunLock | None:
         raise CheckpointError(f"cannot write to --checkpoint-dir {directory}: {error.strerror or error}") from None
 
 
-def _restore(configs: Configs, identity: dict[str, Any], state: TrainState, source: Checkpointer,
+def _restore(run_config: RunConfig, identity: dict[str, Any], state: TrainState, source: Checkpointer,
              steps: list[int], resume: bool, own: bool) -> tuple[int, dict[str, Any], TrainState, list[str]]:
     """Restore the newest of ``steps`` that reads, fits this run's model (else CheckpointError at once) and, when
     resuming, its data and schedule (unless ``--allow-data-change``); returns (step, meta, state, notes).
     ``own``: ``source`` is the run's own directory, whose steps after the one restored are set aside."""
-    model_config, notes = configs.model, []
+    model_config, notes = run_config.model, []
 
     def attempt(step: int) -> tuple[dict[str, Any], TrainState]:
         meta = source.read_meta(step)
@@ -163,15 +152,15 @@ def _restore(configs: Configs, identity: dict[str, Any], state: TrainState, sour
             raise ValueError(f"model config differs from the checkpoint's ({detail})")
         if resume:
             changes = identity_differences(meta.get("run", {}), identity)
-            if changes and not configs.run.allow_data_change:
+            if changes and not run_config.loop.allow_data_change:
                 raise ValueError(f"the run differs from checkpoint step {step}'s ({'; '.join(changes)}); pass "
                                  "--allow-data-change to resume anyway")
             if changes:
                 notes.append(f"warning: resuming with changes allowed by --allow-data-change: {'; '.join(changes)}")
                 before = TrainConfig.from_dict(meta["train_config"])
-                if any(getattr(before, k) != getattr(configs.train, k) for k in SCHEDULE_FIELDS):
+                if any(getattr(before, k) != getattr(run_config.train, k) for k in SCHEDULE_FIELDS):
                     notes.append(f"learning rate at step {step}: {float(make_schedule(before)(step)):.4g} before, "
-                                 f"{float(make_schedule(configs.train)(step)):.4g} now")
+                                 f"{float(make_schedule(run_config.train)(step)):.4g} now")
         return meta, source.restore(step, state)
 
     step, (meta, restored), skipped = restore_newest(steps, attempt, str(source.directory))
@@ -195,22 +184,22 @@ def check_batch(train_config: TrainConfig, mesh: Mesh) -> None:
 EVAL_HINT = "use a smaller --seq-len, a larger dataset, or --eval-interval 0 (train without evaluation)"
 
 
-def open_data(configs: Configs) -> tuple[Configs, Tokenizer, PackedDataset, PackedDataset | None, list[str]]:
-    """(configs with the tokenizer's vocabulary size, tokenizer, train windows, eval windows, notes for the log).
+def open_data(run_config: RunConfig) -> tuple[RunConfig, Tokenizer, PackedDataset, PackedDataset | None, list[str]]:
+    """(run_config with the tokenizer's vocabulary size, tokenizer, train windows, eval windows, notes for the log).
     A held-out part that fills no window is an error, unless ``--eval-interval`` is 0: then the eval windows are
     None and the notes hold a one-line warning."""
-    model_config, train_config, data_config = configs.model, configs.train, configs.data
+    model_config, train_config, data_config = run_config.model, run_config.train, run_config.data
     tokenizer = data_config.load_tokenizer()
     train_data = open_windows(data_config, "train", tokenizer, model_config.seq_len, train_config.seed)
     eval_data, notes = None, []
     try:
         eval_data = open_windows(data_config, "eval", tokenizer, model_config.seq_len, train_config.seed)
     except NoWindows as error:
-        if configs.run.eval_interval:
+        if run_config.loop.eval_interval:
             raise error.with_hint(EVAL_HINT) from None
         notes.append(f"warning: training without evaluation (--eval-interval 0): {error.what}")
-    configs = configs._replace(model=model_config.replace(vocab_size=tokenizer.vocab_size))
-    return configs, tokenizer, train_data, eval_data, notes
+    run_config = run_config.replace(model=model_config.replace(vocab_size=tokenizer.vocab_size))
+    return run_config, tokenizer, train_data, eval_data, notes
 
 
 @dataclasses.dataclass
@@ -224,10 +213,10 @@ class Start:
     notes: list[str]
 
 
-def starting_state(configs: Configs, identity: dict[str, Any], mesh: Mesh, directory: paths.Path) -> Start:
+def starting_state(run_config: RunConfig, identity: dict[str, Any], mesh: Mesh, directory: paths.Path) -> Start:
     """A fresh state, or one restored from ``--resume-from``, the directory's own newest checkpoint, or
     ``--init-from`` (weights only), in that order of precedence."""
-    run, source = configs.run, None
+    run, source = run_config.loop, None
     try:
         own = Checkpointer(directory, read_only=True) if directory.exists() else None
         own_steps = own.all_steps() if own is not None else []
@@ -240,11 +229,11 @@ def starting_state(configs: Configs, identity: dict[str, Any], mesh: Mesh, direc
         if own is not None:
             own.close()
         resume = bool(run.resume_from) or bool(own_steps)
-        state = init_train_state(configs.model, configs.train, mesh, key=jax.random.key(configs.train.seed))
+        state = init_train_state(run_config.model, run_config.train, mesh, key=jax.random.key(run_config.train.seed))
         if source is None:
             return Start(state, 0, resume, own_steps, [])
         own_source = os.fspath(source.directory).rstrip("/") == os.fspath(directory).rstrip("/")
-        step, meta, restored, notes = _restore(configs, identity, state, source, steps, resume, own_source)
+        step, meta, restored, notes = _restore(run_config, identity, state, source, steps, resume, own_source)
     finally:
         if source is not None:
             source.close()
@@ -275,17 +264,17 @@ def data_line(data_config: DataConfig, train_data: PackedDataset, eval_data: Pac
                                    f"{train_data.num_tokens:,} train tokens", held_out, skipped_text(skipped))))
 
 
-def summary_lines(configs: Configs, state: TrainState, devices: list[Any], meter: MFUMeter,
+def summary_lines(run_config: RunConfig, state: TrainState, devices: list[Any], meter: MFUMeter,
                   data: tuple[PackedDataset, PackedDataset | None], start: Start) -> list[str]:
     """The lines a run's log starts with: hardware, sharding, model, batch, data, peak and where it starts."""
-    model_config, train_config, run = configs.model, configs.train, configs.run
+    model_config, train_config, run = run_config.model, run_config.train, run_config.loop
     return [
         *hardware.summary_lines(devices),
         *sharding_summary(state.model, state.mesh),
         f"model: {describe(model_config)}",
         f"tokens per update: {train_config.batch_size * model_config.seq_len:,} ({train_config.batch_size} x "
         f"{model_config.seq_len}), accumulation steps: {train_config.grad_accum_steps}",
-        data_line(configs.data, *data),
+        data_line(run_config.data, *data),
         f"peak FLOP/s per device: {meter.peak / 1e9:,.1f} GFLOP/s ({meter.source})",
         *start.notes,
         f"resuming from step {start.step}" if start.resume else
@@ -293,50 +282,49 @@ def summary_lines(configs: Configs, state: TrainState, devices: list[Any], meter
     ]
 
 
-def write_resolved_config(directory: paths.Path, configs: Configs, mesh: Mesh) -> None:
-    """``config.json``: every setting of the run as resolved (the tokenizer's vocabulary included), with the
-    execution settings in force (``ExecutionConfig.use``: how the steps run, not part of what a resume compares)."""
-    resolved = {f"{name}_config": dataclasses.asdict(config) for name, config in configs._asdict().items()}
-    resolved["execution_config"] = {"kernels": kernels_setting(), **dataclasses.asdict(execution.current())}
-    (directory / "config.json").write_text(json.dumps({**resolved, "mesh": dict(mesh.shape)}, indent=2,
+def write_resolved_config(directory: paths.Path, run_config: RunConfig, mesh: Mesh) -> None:
+    """``config.json``: every setting of the run as resolved (:meth:`RunConfig.to_dict`: the tokenizer's vocabulary
+    included, and the execution settings, which are how the steps run, not part of what a resume compares), and
+    the mesh's shape."""
+    (directory / "config.json").write_text(json.dumps({**run_config.to_dict(), "mesh": dict(mesh.shape)}, indent=2,
                                                       sort_keys=True) + "\n")
 
 
-def prepare(configs: Configs) -> Session:
+def prepare(run_config: RunConfig) -> Session:
     """Build mesh, data, state (fresh or restored) and outputs; raises ValueError on bad input.
 
     Nothing is created in ``--checkpoint-dir`` until every check has passed; an existing directory is locked
     (:class:`RunLock`) before it is read, so two runs never share it."""
     devices = hardware.init_devices()  # HardwareError (a ValueError) when JAX_PLATFORMS cannot be honoured
-    mesh = configs.mesh.make()
-    check_batch(configs.train, mesh)
-    directory = paths.as_path(configs.run.checkpoint_dir)  # a local path or a bucket URI (gs://...)
+    mesh = run_config.mesh.make()
+    check_batch(run_config.train, mesh)
+    directory = paths.as_path(run_config.loop.checkpoint_dir)  # a local path or a bucket URI (gs://...)
     _check_directory(directory)
     # The peak first, in a process that has done nothing else yet, as a benchmark session or a fresh process
     # measures it: after the data, the state and the outputs were made, a CPU's matmul probe read low more often,
     # and every MFU of such a run as much too high (docs/results/startup_peak/README.md).
-    peak = device_peak(dtype=configs.model.dtype)
-    configs, tokenizer, train_data, eval_data, data_notes = open_data(configs)
-    identity = run_identity(configs.data, tokenizer, configs.train)
+    peak = device_peak(dtype=run_config.model.dtype)
+    run_config, tokenizer, train_data, eval_data, data_notes = open_data(run_config)
+    identity = run_identity(run_config.data, tokenizer, run_config.train)
     lock = _lock(directory) if directory.exists() else None
     try:
-        start = starting_state(configs, identity, mesh, directory)
+        start = starting_state(run_config, identity, mesh, directory)
         start.notes[:0] = data_notes
         _make_directory(directory)
         if lock is None:
             lock = _lock(directory)
         set_aside_later_steps(directory, start)
-        checkpointer = Checkpointer(directory, max_to_keep=configs.run.max_checkpoints)
+        checkpointer = Checkpointer(directory, max_to_keep=run_config.loop.max_checkpoints)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
     is_main = jax.process_index() == 0
-    logger = RunLogger(directory, enabled=is_main, total_steps=configs.train.total_steps, start_step=start.step,
-                       progress=configs.run.progress)
-    meter = MFUMeter(float(configs.model.flops_per_token()), len(jax.devices()), *peak)
-    summary = summary_lines(configs, start.state, devices, meter, (train_data, eval_data), start)
+    logger = RunLogger(directory, enabled=is_main, total_steps=run_config.train.total_steps, start_step=start.step,
+                       progress=run_config.loop.progress)
+    meter = MFUMeter(float(run_config.model.flops_per_token()), len(jax.devices()), *peak)
+    summary = summary_lines(run_config, start.state, devices, meter, (train_data, eval_data), start)
     if is_main:
-        write_resolved_config(directory, configs, mesh)
-    return Session(configs, start.state, start.step, train_data, eval_data, tokenizer, checkpointer, logger, meter,
+        write_resolved_config(directory, run_config, mesh)
+    return Session(run_config, start.state, start.step, train_data, eval_data, tokenizer, checkpointer, logger, meter,
                    summary, lock, identity, start.step if start.resume else None)
