@@ -92,9 +92,9 @@ def flags(preset: str, slice_name: str, variant: str, per_chip: int, remat_group
 
 def estimate_configs(configs: Any, slice_name: str, hlo_path: Path | None = None) -> tuple[Any, Any, float]:
     """(fit report, its :class:`nash_mhc.tpu_compile.estimate.StepEstimate` or None, compile seconds) of the training
-    program's ``configs`` (``nash_mhc.train.configs(argv)[0]``: without ``--compile-only``, which would size the
-    vocabulary from the tokenizer, they keep the preset's) compiled for ``slice_name``. ``hlo_path`` keeps the
-    optimised HLO module the estimate reads (gzip)."""
+    program's ``configs`` (its RunConfig, ``nash_mhc.train.configs(argv)[0]``: without ``--compile-only``, which
+    would size the vocabulary from the tokenizer, they keep the preset's) compiled for ``slice_name`` under its
+    execution settings. ``hlo_path`` keeps the optimised HLO module the estimate reads (gzip)."""
     from nash_mhc.tpu_compile import estimate, fit
 
     original = estimate.step_cost
@@ -108,8 +108,9 @@ def estimate_configs(configs: Any, slice_name: str, hlo_path: Path | None = None
         estimate.step_cost = saving
     start = time.perf_counter()
     try:
-        report = fit.check_fit(configs.model, configs.train, topology=slice_name, data=configs.mesh.data,
-                               fsdp=configs.mesh.fsdp, tp=configs.mesh.tp)
+        with configs.execution.use():  # --remat, --loss-chunks, ...: as the training program compiles its step
+            report = fit.check_fit(configs.model, configs.train, topology=slice_name, data=configs.mesh.data,
+                                   fsdp=configs.mesh.fsdp, tp=configs.mesh.tp)
     finally:
         estimate.step_cost = original
     seconds = time.perf_counter() - start
