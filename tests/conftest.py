@@ -20,9 +20,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # the quick loop is mostly XLA CPU compiles, and this takes about a third off each. XLA's own HLO passes (fusion,
 # layouts, sharding propagation, collectives) are the same at every level, so the tests check the programs users
 # run, as machine code about 2 x slower whose rounding can differ in the last bits (docs/testing.md, Time). The
-# training programs the tests start compile at XLA's default level, as users run them (they train for longer),
-# except a child whose bits a test compares with its own (helpers.suite_xla_flags). libtpu's TPU compiles are
-# unchanged by it. An XLA_FLAGS that names a level keeps its own.
+# programs the tests start get the same level (helpers.cpu_env: their short runs are mostly compile), except the
+# README's 100-step training of `small`, which compiles at XLA's default level as users run it. libtpu's TPU
+# compiles are unchanged by it. An XLA_FLAGS that names a level keeps its own.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 

@@ -50,8 +50,9 @@ def mode_case(mode: tuple[str, str, str], *rest: Any) -> Any:
 
 
 def suite_xla_flags() -> str:
-    """XLA_FLAGS for a child process whose results a test compares bit for bit with its own: the suite's CPU
-    optimisation level (tests/conftest.py). Other children compile at XLA's default level, as users run them."""
+    """The suite's CPU optimisation level as XLA_FLAGS (tests/conftest.py): what :func:`cpu_env` gives a child
+    process unless it trains long enough that its steps outweigh the compile (``optimised``), and what a child
+    whose results a test compares bit for bit with its own must have."""
     return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                     if f.startswith("--xla_backend_optimization_level"))
 
@@ -63,9 +64,13 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def cpu_env(devices: int = 1, **extra: str) -> dict[str, str]:
-    """The environment of a child program on the CPU platform with ``devices`` host devices."""
-    return clean_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
+def cpu_env(devices: int = 1, optimised: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a child program on the CPU platform with ``devices`` host devices, compiling at the
+    suite's level (:func:`suite_xla_flags`: a short run's compile is most of its time), or at XLA's default level,
+    as users run it, where ``optimised``."""
+    level = "" if optimised else f" {suite_xla_flags()}"
+    return clean_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}{level}".strip(),
+                     JAX_PLATFORMS="cpu", **extra)
 
 
 def write_checkpoint(directory: Path, step: int, state: Any, model_config: Any, train_config: Any) -> dict:

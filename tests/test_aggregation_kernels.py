@@ -168,6 +168,7 @@ def test_the_kernels_gradients_match_central_differences():
                 modes=("rev",), atol=2e-2, rtol=2e-2, eps=1e-2)  # jit: one compile, not op by op
 
 
+@pytest.mark.slow  # out of the quick loop (its 5-minute budget): no invariant, the full run keeps it
 def test_under_a_mesh_each_shard_runs_the_kernels_on_its_positions():
     """(data 2, fsdp 2, tp 2): the positions split four ways; sums and gradients equal one device's."""
     outputs, available, target = problem(seed=5, batch=4)

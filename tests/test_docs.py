@@ -22,7 +22,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, suite_xla_flags
 
 from nash_mhc import launch, train
 
@@ -98,6 +98,7 @@ def shell(command: str, cwd: Path, **env: str) -> subprocess.Popen:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "TPU_")) and k != "XLA_FLAGS"}
     clean["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{clean.get('PATH', '')}"  # `python` = this one
     clean["TMPDIR"] = str(cwd)  # deploy --dry-run writes its code archive there
+    clean["XLA_FLAGS"] = suite_xla_flags()  # short runs: the suite's level (a command's own export wins)
     script = "\n".join([*EXPORTS, command])
     return subprocess.Popen(["bash", "-c", script], cwd=cwd, env={**clean, **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

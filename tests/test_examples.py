@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, suite_xla_flags
 
 
 def run_example(name: str, *args: str, **extra_env: str) -> str:
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **extra_env}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the suite's level, with the example's flags
+    env = {**env, **extra_env, "XLA_FLAGS": f"{suite_xla_flags()} {extra_env.get('XLA_FLAGS', '')}".strip()}
     result = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -138,6 +138,7 @@ def test_real_mode_calls_gcloud_with_the_dry_run_commands(capsys, tmp_path, monk
     assert calls == expected and len(calls) == 7
 
 
+@pytest.mark.slow  # out of the quick loop (its 5-minute budget): no invariant, the full run keeps it
 def test_gcloud_failure_and_missing_gcloud_are_one_line_errors(capsys, tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

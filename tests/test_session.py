@@ -43,6 +43,7 @@ def test_open_data_takes_the_vocabulary_from_the_tokenizer(tmp_path):
     assert first.shape == (4, configs.model.seq_len + 1)
 
 
+@pytest.mark.slow  # out of the quick loop (its 5-minute budget): no invariant, the full run keeps it
 def test_starting_state_fresh_then_from_the_directory_then_init_from(tmp_path):
     """A fresh start in an empty directory; the directory's own checkpoint resumes; --init-from elsewhere takes the
     weights only (step 0, not a resume)."""
@@ -74,6 +75,7 @@ def save_step(directory, step, configs, state, identity) -> None:
     checkpointer.close()
 
 
+@pytest.mark.slow  # out of the quick loop (its 5-minute budget): no invariant, the full run keeps it
 def test_a_resume_with_another_seed_or_batch_needs_allow_data_change(tmp_path):
     """Step s reads the global batch at s x sequences-per-update of the seed's order: another seed or batch
     re-reads or skips data, so the resume is refused naming both (before and after) unless --allow-data-change.

@@ -295,6 +295,7 @@ def sharding_constraints(jaxpr: object) -> list[tuple[tuple[int, ...], P]]:
             if eqn.primitive.name == "sharding_constraint"]
 
 
+@pytest.mark.slow  # out of the quick loop (its 5-minute budget): no invariant, the full run keeps it
 def test_model_pins_the_batch_dimension_of_its_matmul_outputs_under_a_mesh():
     """Under an ambient mesh the FFN hidden state and output, Q/K/V, the attention output (before and after the
     output projection) and the stream state keep their batch/token dimension over data x fsdp (without
@@ -343,6 +344,7 @@ def test_each_layer_gathers_its_weights_over_fsdp_and_keeps_tp():
         assert all(("data", "fsdp") in tuple(spec) for _, spec in sharding_constraints(jax.make_jaxpr(model)(tokens)))
 
 
+@pytest.mark.slow  # out of the quick loop (its 5-minute budget): no invariant, the full run keeps it
 def test_train_step_traces_the_model_under_its_mesh():
     """The train step's forward and backward see the mesh: its lowered program pins the FFN hidden state."""
     needs_8_devices()

@@ -114,6 +114,7 @@ def lite_coefficients(n: int):
     hnp.arrays(np.float32, (math.factorial(n),), elements=st.floats(-1e4, 1e4, width=32)),
     hnp.arrays(np.float32, (3,), elements=st.floats(-1e3, 1e3, width=32)),
     st.floats(1e-3, 1e3), st.integers(0, 2**31 - 1))))
+@pytest.mark.slow  # out of the quick loop (its 5-minute budget): no invariant, the full run keeps it
 def test_mhc_lite_residual_matrix_is_doubly_stochastic_for_logits_of_any_magnitude(case):
     """mHC-lite's H_res = Σ_k softmax(α₂·a + b_perm)_k P_k: rows and columns sum to 1 within 1e-6 and no entry is
     negative, whatever the permutation logits (|b_perm| up to 1e4, |α| up to 1e3, inputs of any scale)."""

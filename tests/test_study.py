@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import suite_xla_flags
 
 from nash_mhc.config import ModelConfig
 from nash_mhc.study import powerlaw
@@ -176,7 +177,7 @@ def test_crossing_point_and_what_the_report_says_about_it():
 @pytest.fixture
 def one_device(monkeypatch):
     """The studies' child processes see one CPU device (the test process has 8 fake ones)."""
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=1 {suite_xla_flags()}")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
 
 

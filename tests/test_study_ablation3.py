@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import suite_xla_flags
 
 from nash_mhc.study import ablation3_protocol as protocol
 from nash_mhc.study.__main__ import main
@@ -180,7 +181,7 @@ def test_bad_ablation3_flags_exit_2_with_one_line(tmp_path, capsys, argv, messag
 # -------------------------------------------------------------------------------------------- a real study
 @pytest.mark.slow
 def test_ablation3_runs_a_tiny_study_with_all_three_budgets(tmp_path, cache_dir, monkeypatch, capsys):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=1 {suite_xla_flags()}")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     out = tmp_path / "study"
     argv = ["ablation3", "--out-dir", str(out), "--steps", "6", "--batch-size", "2", "--learning-rates", "1e-2",

@@ -37,8 +37,8 @@ def command(*args: str, cache: Path, model: str = "tiny") -> list[str]:
 
 
 def train(*args: str, cache: Path, devices: int = 1, model: str = "tiny", expect: int = 0,
-          timeout: int = 600) -> subprocess.CompletedProcess:
-    result = subprocess.run(command(*args, cache=cache, model=model), env=cpu_env(devices), cwd=ROOT,
+          timeout: int = 600, optimised: bool = False) -> subprocess.CompletedProcess:
+    result = subprocess.run(command(*args, cache=cache, model=model), env=cpu_env(devices, optimised), cwd=ROOT,
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == expect, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
@@ -60,7 +60,7 @@ def test_readme_main_command_trains_writes_its_outputs_and_reaches_the_readme_pe
     per byte) against about 180 untrained: checked as below 15 (under 4 bits per byte) and above 100."""
     run = tmp_path / "main"
     train("--use-small-model", "--total-steps", "100", "--batch-size", "8", "--checkpoint-dir", str(run),
-          cache=cache_dir, model="small")
+          cache=cache_dir, model="small", optimised=True)  # 100 steps of `small`: compiled as users run it
     curve = losses(run)
     assert curve[1] - curve[100] >= 1.5, curve
     assert steps_saved(run) == [100]
