@@ -3,9 +3,9 @@
     python tests/mutations.py [NAME ...]      (all mutations when no name is given)
 
 Each mutation is a literal text replacement in one file of a copy of the tracked files (the working tree is
-never touched); the quick tests (``-m "not slow"``) of the named test files then run on the copy. A mutation
-that no test catches is reported as SURVIVED and makes the exit status 1. The table in docs/testing.md is
-this script's output.
+never touched); the tests outside ``slow`` (``-m "not slow"``: the quick loop's and the kernels' own) of the
+named test files then run on the copy. A mutation that no test catches is reported as SURVIVED and makes the exit
+status 1. The table in docs/testing.md is this script's output.
 """
 
 from __future__ import annotations

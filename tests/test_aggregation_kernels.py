@@ -26,6 +26,8 @@ from nash_mhc.ops.aggregation import _pullback_coefficients, nash_aggregate
 from nash_mhc.ops.game import centred_gram
 from nash_mhc.sharding import make_mesh
 
+pytestmark = pytest.mark.kernels  # the quick loop leaves them to the rest (docs/testing.md)
+
 L, T, D = 3, 32, 256
 BLOCKS = (16, 128)  # 2 token tiles x 2 column tiles
 # per position: which scales exist (scale 0 always; one, two or all three), repeated over the positions

@@ -23,6 +23,8 @@ from nash_mhc.ops.dispatch import lowering_platform
 from nash_mhc.ops.multiscale import downsample, downsample_heads, downsample_heads_levels, downsample_levels
 from nash_mhc.sharding import make_mesh
 
+pytestmark = pytest.mark.kernels  # the quick loop leaves them to the rest (docs/testing.md)
+
 T, D, ROWS = 512, 256, 256  # 2 row tiles x 2 column tiles per sequence
 
 

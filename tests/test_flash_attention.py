@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 from nash_mhc.kernels.tpu.flash_attention import BLOCK_SIZES, flash_block, flash_causal_attention, kernel_costs
 from nash_mhc.sharding import make_mesh, per_shard_attention
 
+pytestmark = pytest.mark.kernels  # the quick loop leaves them to the rest (docs/testing.md)
+
 B, T, H, K, BLOCK = 2, 384, 2, 64, 128  # three blocks: skipped, interior and diagonal block pairs
 
 

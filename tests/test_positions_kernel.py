@@ -16,6 +16,8 @@ from nash_mhc.kernels.tpu.positions_kernel import elementwise_cost, position_row
 from nash_mhc.ops import aggregation, equilibrium
 from nash_mhc.ops.game import centred_gram, largest_eigenvalue
 
+pytestmark = pytest.mark.kernels  # the quick loop leaves them to the rest (docs/testing.md)
+
 ITERS = 16
 
 

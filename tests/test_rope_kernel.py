@@ -16,6 +16,8 @@ from nash_mhc.kernels.tpu.rope_kernel import kernel_cost, rotate_kernel, row_til
 from nash_mhc.ops.rope import angle_tables, rope, rotate_tpu
 from nash_mhc.sharding import make_mesh
 
+pytestmark = pytest.mark.kernels  # the quick loop leaves them to the rest (docs/testing.md)
+
 T, H, K, SPACING = 64, 2, 256, 3  # 4 row tiles of 16; two lane tiles per head (the roll crosses them)
 
 

@@ -14,6 +14,8 @@ from helpers import declared, moved
 from nash_mhc.kernels.tpu.sinkhorn_kernel import kernel_costs, sinkhorn_tokens, token_block
 from nash_mhc.sharding import make_mesh, per_shard
 
+pytestmark = pytest.mark.kernels  # the quick loop leaves them to the rest (docs/testing.md)
+
 T, N, ITERS, BLOCK = 256, 4, 20, 128
 
 

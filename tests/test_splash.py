@@ -16,6 +16,8 @@ from nash_mhc.kernels.tpu.splash import kernel_costs, splash_block, splash_causa
 from nash_mhc.ops.attention import attend, causal_attention
 from nash_mhc.ops.dispatch import lowering_platform, use_kernels
 
+pytestmark = pytest.mark.kernels  # the quick loop leaves them to the rest (docs/testing.md)
+
 B, T, H, K = 2, 256, 2, 32  # two 128-blocks: a skipped block pair, an interior one and two diagonal ones
 
 

@@ -16,6 +16,8 @@ from nash_mhc.kernels.tpu.upsample_kernel import kernel_costs, upsample_kernel
 from nash_mhc.ops.multiscale import upsample_shifted
 from nash_mhc.sharding import make_mesh
 
+pytestmark = pytest.mark.kernels  # the quick loop leaves them to the rest (docs/testing.md)
+
 D = 256
 
 
