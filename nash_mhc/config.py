@@ -69,13 +69,18 @@ class ConfigMethods:
         """Build from a dict (e.g. a checkpoint's JSON). Missing keys take their defaults; a retired field
         (:attr:`RETIRED`) is dropped; any other key that is not a field (a checkpoint from another version, a typo)
         raises ValueError naming it."""
-        data = {k: v for k, v in data.items() if k not in cls.RETIRED}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{cls.__name__} has no field {', '.join(map(repr, unknown))} (written by another "
-                             "version of nash_mhc?)")
-        return cls(**data)
+        return config_from_dict(cls, data)
+
+
+def config_from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """The config dataclass ``cls`` from a dict, by :meth:`ConfigMethods.from_dict`'s rules, for any config class
+    (one without :attr:`ConfigMethods.RETIRED` retires nothing)."""
+    data = {k: v for k, v in data.items() if k not in getattr(cls, "RETIRED", ())}
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field {', '.join(map(repr, unknown))} (written by another "
+                         "version of nash_mhc?)")
+    return cls(**data)
 
 
 @dataclasses.dataclass(frozen=True)

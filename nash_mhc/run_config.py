@@ -9,22 +9,11 @@ import dataclasses
 import typing
 from typing import Any, ClassVar
 
-from nash_mhc.config import ConfigMethods, ModelConfig
+from nash_mhc.config import ConfigMethods, ModelConfig, config_from_dict
 from nash_mhc.data import DataConfig
 from nash_mhc.execution import ExecutionConfig
 from nash_mhc.sharding.mesh import MeshConfig
 from nash_mhc.training.config import LoopConfig, TrainConfig
-
-
-def _build(cls: type, data: dict[str, Any]) -> Any:
-    """``cls`` from a JSON dict: ConfigMethods.from_dict's rules (retired fields dropped, unknown ones refused)."""
-    if issubclass(cls, ConfigMethods):
-        return cls.from_dict(data)
-    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
-    if unknown:
-        raise ValueError(f"{cls.__name__} has no field {', '.join(map(repr, unknown))} (written by another version "
-                         "of nash_mhc?)")
-    return cls(**data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +47,7 @@ class RunConfig(ConfigMethods):
         """From :meth:`to_dict`'s form (a ``config.json``; other keys, e.g. its ``mesh``, are ignored). A section
         an older run did not write takes its config's defaults; retired fields are dropped (format-3 runs')."""
         kinds = typing.get_type_hints(cls)  # {"model": ModelConfig, ...}
-        given = {name: _build(kinds[name], data[key]) for name, key in cls.KEYS.items() if key in data}
+        given = {name: config_from_dict(kinds[name], data[key]) for name, key in cls.KEYS.items() if key in data}
         if "model" not in given:
             raise ValueError("a run's config has no model_config")
         return cls(**given)
