@@ -48,6 +48,7 @@ def weights_block_by_block(model: LanguageModel, ids: jax.Array) -> np.ndarray:
     return np.stack(found, axis=1)
 
 
+@pytest.mark.slow  # two compiles (the eval step, a block): multi-second, a log's numbers rather than an invariant
 def test_logged_scale_use_matches_a_float64_reference():
     """eval_step's scale_weight, scale_prior and scale_tv, per layer and averaged over layers, equal float64 NumPy
     means over the masked-in positions (weights 0 where a scale is unavailable) of the weights the blocks give one

@@ -38,7 +38,9 @@ from nash_mhc.training.optim import coefficient_mask
 
 MODEL = ModelConfig.preset("tiny", d_model=64, num_heads=8, ffn_hidden=256, seq_len=16, num_layers=2)
 TRAIN = TrainConfig(batch_size=8, learning_rate=1e-3, warmup_steps=2, total_steps=10)
-MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 4, 2), (2, 2, 2), (1, 1, 8)]
+# Data parallelism alone is not a mesh of its own: (2, 2, 2) splits the batch over data, and the CLI's two-process
+# run shards it over two hosts (test_train_cli).
+MESHES = [(1, 1, 1), (1, 8, 1), (1, 4, 2), (2, 2, 2), (1, 1, 8)]
 QUICK_MESHES = [(1, 1, 1), (2, 2, 2)]  # a compilation costs ~35 s of CPU: the other meshes are for `slow` runs
 # Three slow meshes also rematerialise (the same step, recomputed: it must still match one device, un-remat'd).
 REMAT_ON = {(1, 8, 1): dict(remat="full"), (1, 4, 2): dict(remat="dots"), (1, 1, 8): dict(remat="full", remat_group=2)}

@@ -111,17 +111,10 @@ def stop_with(signum: int, run: Path, cache: Path) -> subprocess.CompletedProces
 
 
 @pytest.mark.slow
-def test_resume_is_bit_identical_after_stop_and_after_sigterm(tmp_path, cache_dir, reference_run):
+def test_resume_is_bit_identical_after_sigterm(tmp_path, cache_dir, reference_run):
+    """SIGTERM mid-run: exit 0 with a checkpoint; the restart logs the uninterrupted run's losses bit for bit. (A
+    restart from a completed run's last checkpoint is the same restore: the sharded test below resumes one.)"""
     expected = losses(reference_run)
-
-    stopped = tmp_path / "stopped"
-    train("--total-steps", "10", "--checkpoint-dir", str(stopped), *SCHEDULE, cache=cache_dir)
-    assert steps_saved(stopped) == [10]
-    out = train("--total-steps", "40", "--checkpoint-dir", str(stopped), *SCHEDULE, cache=cache_dir)
-    assert "resuming from step 10" in out.stdout + out.stderr
-    resumed = losses(stopped)
-    assert all(resumed[s] == expected[s] for s in range(1, 41)), "resume after --total-steps is not exact"
-
     signalled = tmp_path / "signalled"
     stopped_run = stop_with(signal.SIGTERM, signalled, cache_dir)
     assert stopped_run.returncode == 0, stopped_run.stdout[-3000:]
@@ -231,7 +224,7 @@ def test_a_second_ctrl_c_stops_a_run_hung_in_a_save_at_once(tmp_path, cache_dir)
 @pytest.mark.slow
 def test_sharded_runs_match_one_device_and_resume_on_other_meshes(tmp_path, cache_dir, reference_run):
     """6 steps on (2,2,2) log the one-device run's losses (the reference run's first 6: same batches, same
-    schedule); resumed on (1,8,1) and on one device, steps 7-8 agree."""
+    schedule); resumed from its last checkpoint on one device, steps 7-8 log the reference run's too."""
     sharded = tmp_path / "sharded"
     base = ["--total-steps", "6", "--batch-size", "8", "--checkpoint-interval", "3", *SCHEDULE]
     train(*base, "--checkpoint-dir", str(sharded), "--mesh-data", "2", "--mesh-fsdp", "2", "--mesh-tp", "2",
@@ -240,17 +233,13 @@ def test_sharded_runs_match_one_device_and_resume_on_other_meshes(tmp_path, cach
     for step in range(1, 7):
         assert abs(eight[step] - one[step]) <= 1e-4 * abs(one[step]), (step, eight[step], one[step])
 
-    continued = {}
-    for name, devices, mesh in (("fsdp8", 8, ["--mesh-data", "1", "--mesh-fsdp", "8"]), ("one", 1, [])):
-        target = tmp_path / name
-        shutil.copytree(sharded, target)
-        (target / "metrics.jsonl").unlink()
-        out = train("--total-steps", "8", "--checkpoint-dir", str(target), *SCHEDULE, "--batch-size", "8", *mesh,
-                    cache=cache_dir, devices=devices)
-        assert "resuming from step 6" in out.stdout
-        continued[name] = losses(target)
+    (sharded / "metrics.jsonl").unlink()
+    out = train("--total-steps", "8", "--checkpoint-dir", str(sharded), *SCHEDULE, "--batch-size", "8",
+                cache=cache_dir)  # one device
+    assert "resuming from step 6" in out.stdout
+    continued = losses(sharded)
     for step in (7, 8):
-        assert abs(continued["fsdp8"][step] - continued["one"][step]) <= 1e-4 * abs(continued["one"][step])
+        assert abs(continued[step] - one[step]) <= 1e-4 * abs(one[step]), (step, continued[step], one[step])
 
 
 def free_port() -> int:
