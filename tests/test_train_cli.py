@@ -222,7 +222,7 @@ def test_a_second_ctrl_c_stops_a_run_hung_in_a_save_at_once(tmp_path, cache_dir)
 
 
 @pytest.mark.slow
-def test_sharded_runs_match_one_device_and_resume_on_other_meshes(tmp_path, cache_dir, reference_run):
+def test_sharded_runs_match_one_device_and_resume_on_one_device(tmp_path, cache_dir, reference_run):
     """6 steps on (2,2,2) log the one-device run's losses (the reference run's first 6: same batches, same
     schedule); resumed from its last checkpoint on one device, steps 7-8 log the reference run's too."""
     sharded = tmp_path / "sharded"
