@@ -88,12 +88,14 @@ def compiled_counts(config: ModelConfig) -> tuple[float, float]:
 
 
 # A compile of a train step each, and an accounting check rather than an invariant: all with the slow tests.
+pytestmark = pytest.mark.slow
+
 CASES = [
-    pytest.param("plain", "full", "nash", {}, marks=pytest.mark.slow),
-    pytest.param("plain", "multiscale", "convex", {}, marks=pytest.mark.slow),
-    pytest.param("mhc", "full", "nash", {}, marks=[pytest.mark.slow, pytest.mark.xfail(  # a known gap
-        strict=True, reason="Sinkhorn: XLA counts ~125 ops per matrix entry and round, the count 30 (see report)")]),
-    pytest.param("mhc", "multiscale", "nash", {"nash_iters": 2}, marks=pytest.mark.slow),
+    ("plain", "full", "nash", {}),
+    ("plain", "multiscale", "convex", {}),
+    pytest.param("mhc", "full", "nash", {}, marks=pytest.mark.xfail(  # a known gap
+        strict=True, reason="Sinkhorn: XLA counts ~125 ops per matrix entry and round, the count 30 (see report)")),
+    ("mhc", "multiscale", "nash", {"nash_iters": 2}),
 ]
 
 
