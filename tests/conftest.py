@@ -1,6 +1,7 @@
 """Test-suite set-up: the CPU platform with 8 host devices on every machine, XLA CPU's machine code unoptimised
-(faster compiles), the jaxtyping import hook over the whole package, float32 matmuls at full precision, one
-persistent XLA compilation cache for the whole run, and per-test timeouts (longer for ``slow`` tests)."""
+and from its older emitters (faster compiles), the jaxtyping import hook over the whole package, float32 matmuls
+at full precision, one persistent XLA compilation cache for the whole run, and per-test timeouts (longer for
+``slow`` tests)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,21 @@ import pytest
 os.environ["JAX_PLATFORMS"] = "cpu"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# XLA's CPU backend compiles the test process's programs with LLVM's optimisation of the machine code off (`-O0`):
-# the quick loop is mostly XLA CPU compiles, and this takes about a third off each. XLA's own HLO passes (fusion,
-# layouts, sharding propagation, collectives) are the same at every level, so the tests check the programs users
-# run, as machine code about 2 x slower whose rounding can differ in the last bits (docs/testing.md, Time). The
-# programs the tests start get the same level (helpers.cpu_env: their short runs are mostly compile), except the
-# README's 100-step training of `small`, which compiles at XLA's default level as users run it. libtpu's TPU
-# compiles are unchanged by it. An XLA_FLAGS that names a level keeps its own.
+# XLA's CPU backend compiles the test process's programs faster than XLA's defaults (the quick loop is mostly XLA
+# CPU compiles; docs/testing.md, Time):
+# - LLVM's optimisation of the machine code off (`-O0`): about a third off each compile. XLA's own HLO passes are
+#   the same at every level; the machine code is about 2 x slower and its rounding can differ in the last bits.
+# - XLA CPU's older elemental emitters instead of its MLIR fusion emitters: about half of what is left. XLA forms
+#   some CPU fusions and reductions differently for them, so the CPU program's fusions differ from a user's CPU
+#   run; its sharding, collectives and math do not, nor does any other platform's program.
+# Every bit-for-bit test compares two programs compiled alike; the others compare against float64 references or
+# golden files within tolerances. The programs the tests start get the same flags (helpers.cpu_env: their short
+# runs are mostly compile), except the README's 100-step training of `small`, which compiles with XLA's defaults
+# as users run it. libtpu's TPU compiles are unchanged by both. An XLA_FLAGS that names either keeps its own.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 # Tests never touch the network: Hugging Face libraries must use only local files.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

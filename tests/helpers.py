@@ -50,11 +50,11 @@ def mode_case(mode: tuple[str, str, str], *rest: Any) -> Any:
 
 
 def suite_xla_flags() -> str:
-    """The suite's CPU optimisation level as XLA_FLAGS (tests/conftest.py): what :func:`cpu_env` gives a child
-    process unless it trains long enough that its steps outweigh the compile (``optimised``), and what a child
-    whose results a test compares bit for bit with its own must have."""
+    """The suite's CPU optimisation level and emitters as XLA_FLAGS (tests/conftest.py): what :func:`cpu_env`
+    gives a child process unless it trains long enough that its steps outweigh the compile (``optimised``), and
+    what a child whose results a test compares bit for bit with its own must have."""
     return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                    if f.startswith("--xla_backend_optimization_level"))
+                    if f.startswith(("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")))
 
 
 def clean_env(**extra: str) -> dict[str, str]:
