@@ -57,6 +57,12 @@ def suite_xla_flags() -> str:
                     if f.startswith(("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")))
 
 
+# A test that compares its compiled program bit for bit with another made differently (an effect added, a function
+# compiled alone), or counts the ops of its fusions, compiles with XLA CPU's default fusion emitters, as users' CPU
+# programs are: jax.jit(..., compiler_options=USERS_CPU_EMITTERS) or .compile(compiler_options=...) (conftest.py).
+USERS_CPU_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without JAX's, libtpu's and XLA's settings (a child picks its own), plus
     ``extra``."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import suite_xla_flags
+from helpers import USERS_CPU_EMITTERS, suite_xla_flags
 
 from nash_mhc.config import ModelConfig
 from nash_mhc.study import powerlaw
@@ -109,11 +109,16 @@ def test_the_sinkhorn_probe_reads_the_logits_the_model_projects():
     model = LanguageModel(config, key=jax.random.key(0))
     model = eqx.tree_at(lambda m: m.blocks.attn_hc.alpha, model, jnp.full_like(model.blocks.attn_hc.alpha, 6.0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 259, (2, 16)))
-    forward = eqx.filter_jit(lambda m, t: m(t, return_residual_maps=True).residual_maps)
-    plain = np.asarray(forward(model, tokens))  # traced without the wrapper
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def maps_of(p, t):
+        return eqx.combine(p, static)(t, return_residual_maps=True).residual_maps
+
+    # compiled as users' CPU programs are (bit for bit across two programs: tests/helpers.py)
+    plain = np.asarray(jax.jit(maps_of, compiler_options=USERS_CPU_EMITTERS)(params, tokens))  # without the wrapper
     captured: list[np.ndarray] = []
     with sinkhorn_inputs(captured):
-        maps = np.asarray(eqx.filter_jit(lambda m, t: m(t, return_residual_maps=True).residual_maps)(model, tokens))
+        maps = np.asarray(jax.jit(lambda p, t: maps_of(p, t), compiler_options=USERS_CPU_EMITTERS)(params, tokens))
         jax.effects_barrier()
     np.testing.assert_array_equal(maps, plain)
     assert len(captured) == 4 and captured[0].shape == (32, 4, 4)
