@@ -118,6 +118,7 @@ def test_the_sinkhorn_probe_reads_the_logits_the_model_projects():
     plain = np.asarray(jax.jit(maps_of, compiler_options=USERS_CPU_EMITTERS)(params, tokens))  # without the wrapper
     captured: list[np.ndarray] = []
     with sinkhorn_inputs(captured):
+        # a new function, so jit traces it again, now with the recording wrapper (not the cached trace above)
         maps = np.asarray(jax.jit(lambda p, t: maps_of(p, t), compiler_options=USERS_CPU_EMITTERS)(params, tokens))
         jax.effects_barrier()
     np.testing.assert_array_equal(maps, plain)
